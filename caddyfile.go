@@ -1,0 +1,145 @@
+package ratelimit
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("rate_limit", parseCaddyfile)
+	httpcaddyfile.RegisterDirectiveOrder("rate_limit", httpcaddyfile.Before, "basic_auth")
+}
+
+// parseCaddyfile sets up the handler from Caddyfile tokens.
+func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	rl := new(RateLimit)
+	err := rl.UnmarshalCaddyfile(h.Dispenser)
+	return rl, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	rate_limit [<matcher>] {
+//		zone        <name>                # default "default"; handlers naming one zone share its counters
+//		window      <duration>            # default 1m; a bare integer is seconds   (alias: windowS)
+//		max         <n>                   # default 300 requests per key per window
+//		max_tracked <n>                   # default 100000, at least 1000           (alias: maxTracked)
+//		key         <placeholder>         # default: the client IP ({client_ip})
+//		ipv6_prefix <bits>                # default 64: IPv6 clients grouped per /64
+//		headers     legacy|ietf|both|none # default legacy (X-RateLimit-*)
+//		gc_interval <duration>            # default 5m, jittered
+//		enabled     true|false            # default true; false passes everything at no cost
+//	}
+//
+// Every option takes exactly one argument. windowS takes an integer of
+// seconds only.
+func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume directive name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		if !d.NextArg() {
+			return d.ArgErr()
+		}
+		val := d.Val()
+		if d.NextArg() {
+			return d.Errf("%s takes one argument, got extra %q", opt, d.Val())
+		}
+		var err error
+		switch opt {
+		case "zone":
+			rl.Zone = val
+		case "window":
+			rl.Window, err = parseWindow(d, opt, val, true)
+		case "windowS":
+			rl.Window, err = parseWindow(d, opt, val, false)
+		case "max":
+			rl.Max, err = parseInt(d, opt, val, 1)
+		case "max_tracked", "maxTracked":
+			rl.MaxTracked, err = parseInt(d, opt, val, MinMaxTracked)
+		case "key":
+			rl.Key = val
+		case "ipv6_prefix":
+			rl.IPv6Prefix, err = parseInt(d, opt, val, 1)
+			if err == nil && rl.IPv6Prefix > 128 {
+				err = d.Errf("invalid %s %q: must be between 1 and 128", opt, val)
+			}
+		case "headers":
+			switch val {
+			case HeadersLegacy, HeadersIETF, HeadersBoth, HeadersNone:
+				rl.Headers = val
+			default:
+				err = d.Errf("invalid headers %q: must be legacy, ietf, both or none", val)
+			}
+		case "gc_interval":
+			rl.GCInterval, err = parseDuration(d, opt, val)
+		case "enabled":
+			var on bool
+			on, err = strconv.ParseBool(val)
+			if err != nil {
+				err = d.Errf("invalid enabled %q: must be true or false", val)
+			}
+			rl.Enabled = &on
+		default:
+			return d.Errf("unrecognized rate_limit subdirective %q", opt)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// parseInt parses a whole number of at least lowest for option opt.
+func parseInt(d *caddyfile.Dispenser, opt, val string, lowest int) (int, error) {
+	n, err := strconv.Atoi(val)
+	if err != nil {
+		return 0, d.Errf("invalid %s %q: not an integer", opt, val)
+	}
+	if n < lowest {
+		return 0, d.Errf("invalid %s %q: must be at least %d", opt, val, lowest)
+	}
+	return n, nil
+}
+
+// parseDuration parses a positive duration such as "90s" or "5m" for option
+// opt.
+func parseDuration(d *caddyfile.Dispenser, opt, val string) (caddy.Duration, error) {
+	dur, err := caddy.ParseDuration(val)
+	if err != nil {
+		return 0, d.Errf("invalid %s %q: %v", opt, val, err)
+	}
+	if dur <= 0 {
+		return 0, d.Errf("invalid %s %q: must be positive", opt, val)
+	}
+	return caddy.Duration(dur), nil
+}
+
+// parseWindow parses a window: a bare integer of seconds, or, when
+// durationOK, a duration such as "1m". It must be at least one second.
+func parseWindow(d *caddyfile.Dispenser, opt, val string, durationOK bool) (caddy.Duration, error) {
+	if secs, err := strconv.Atoi(val); err == nil {
+		if secs < 1 {
+			return 0, d.Errf("invalid %s %q: must be at least 1 second", opt, val)
+		}
+		return caddy.Duration(time.Duration(secs) * time.Second), nil
+	}
+	if !durationOK {
+		return 0, d.Errf("invalid %s %q: must be a whole number of seconds", opt, val)
+	}
+	dur, err := parseDuration(d, opt, val)
+	if err == nil && time.Duration(dur) < time.Second {
+		err = d.Errf("invalid %s %q: must be at least 1s", opt, val)
+	}
+	return dur, err
+}
+
+// Interface guards
+var _ caddyfile.Unmarshaler = (*RateLimit)(nil)

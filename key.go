@@ -1,0 +1,33 @@
+package ratelimit
+
+import (
+	"net/netip"
+)
+
+// clientIPKey turns a client address into the key it is counted under:
+// an IPv4 address as it is, an IPv4-mapped IPv6 address as its IPv4 form, and
+// an IPv6 address as its prefix of the given length ("2001:db8::/64"), so one
+// client cannot dodge its limit by hopping through the addresses of its own
+// network. Anything that is not an IP address (a Unix socket peer) is used
+// unchanged.
+func clientIPKey(ip string, ipv6Prefix int) string {
+	addr, err := netip.ParseAddr(ip)
+	if err != nil {
+		return ip
+	}
+	if addr.Is4() {
+		return ip
+	}
+	if addr.Is4In6() {
+		return addr.Unmap().String()
+	}
+	addr = addr.WithZone("")
+	if ipv6Prefix >= 128 {
+		return addr.String()
+	}
+	p, err := addr.Prefix(ipv6Prefix)
+	if err != nil {
+		return addr.String()
+	}
+	return p.String()
+}

@@ -1,0 +1,318 @@
+// Package ratelimit is a Caddy HTTP handler that limits each client to a
+// number of requests per time window, answering 429 Too Many Requests beyond it.
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+func init() {
+	caddy.RegisterModule(RateLimit{})
+}
+
+// Defaults of the options left unset.
+const (
+	DefaultZone       = "default"
+	DefaultWindow     = time.Minute
+	DefaultMax        = 300
+	DefaultMaxTracked = 100_000
+	DefaultIPv6Prefix = 64
+	DefaultGCInterval = 5 * time.Minute
+
+	// MinMaxTracked is the lowest max_tracked accepted: below it, eviction
+	// would let a handful of clients reset each other's windows.
+	MinMaxTracked = 1000
+)
+
+// Header modes: which quota headers a response carries.
+const (
+	HeadersLegacy = "legacy" // X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset
+	HeadersIETF   = "ietf"   // RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers-11)
+	HeadersBoth   = "both"   // legacy and IETF
+	HeadersNone   = "none"   // no quota headers (Retry-After is still sent on a 429)
+)
+
+// RateLimit limits each client (by default its IP address) to Max requests
+// per Window. A request over the limit is refused with 429 Too Many Requests
+// and a Retry-After header before any later handler runs; every response
+// through the handler carries the quota headers.
+//
+// Counters belong to a zone: handlers that name the same zone share them, and
+// they survive config reloads.
+//
+// A RateLimit is safe for concurrent use once provisioned.
+type RateLimit struct {
+	// Zone names the counters this handler uses. Handlers naming the same
+	// zone share one set of counters and must agree on its settings.
+	// Default: "default".
+	Zone string `json:"zone,omitempty"`
+
+	// Window is the length of the fixed window in which up to Max requests
+	// per key are admitted. At least one second. In JSON it is a duration
+	// string such as "1m" or "90s" (a bare number is nanoseconds, as
+	// everywhere in Caddy's JSON); the Caddyfile also takes a bare integer
+	// as seconds. Default: 1m.
+	Window caddy.Duration `json:"window,omitempty"`
+
+	// Max is the number of requests admitted per key per window. At least 1.
+	// Default: 300.
+	Max int `json:"max,omitempty"`
+
+	// MaxTracked bounds the memory a zone uses: at most this many keys are
+	// tracked. When full, expired windows are purged first, then the keys
+	// tracked longest are evicted (FIFO). At least 1000. Default: 100000.
+	MaxTracked int `json:"max_tracked,omitempty"`
+
+	// Key is a placeholder that names the client, such as
+	// "{http.request.header.X-API-Key}". A key that resolves empty falls back
+	// to the client IP. Default: the client IP, as Caddy resolves it through
+	// the server's trusted_proxies (the {client_ip} placeholder).
+	Key string `json:"key,omitempty"`
+
+	// IPv6Prefix groups IPv6 clients by network: all addresses in one prefix
+	// of this many bits share a counter. 128 counts every address on its own.
+	// Applies to the client IP key only. Default: 64.
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+
+	// Headers selects the quota headers: "legacy" (X-RateLimit-Limit,
+	// X-RateLimit-Remaining, X-RateLimit-Reset), "ietf" (RateLimit-Policy and
+	// RateLimit, draft-ietf-httpapi-ratelimit-headers-11), "both" or "none".
+	// Default: "legacy".
+	Headers string `json:"headers,omitempty"`
+
+	// GCInterval is how often expired windows are purged in the background,
+	// give or take a tenth at random. Default: 5m.
+	GCInterval caddy.Duration `json:"gc_interval,omitempty"`
+
+	// Enabled switches the handler off when false: every request passes
+	// untouched, uncounted and without quota headers. Default: true.
+	Enabled *bool `json:"enabled,omitempty"`
+
+	zone     *zone
+	limit    Limit
+	byIP     bool // the key is the client IP (no custom placeholder)
+	headers  string
+	limitStr string // Max, formatted once
+	policy   string // RateLimit-Policy value, formatted once
+	now      func() time.Time
+	logger   *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (RateLimit) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit",
+		New: func() caddy.Module { return new(RateLimit) },
+	}
+}
+
+// Provision fills in defaults, checks the settings and takes the zone.
+func (rl *RateLimit) Provision(ctx caddy.Context) error {
+	rl.logger = ctx.Logger()
+	rl.now = time.Now
+	if rl.Zone == "" {
+		rl.Zone = DefaultZone
+	}
+	if rl.Window == 0 {
+		rl.Window = caddy.Duration(DefaultWindow)
+	}
+	if rl.Max == 0 {
+		rl.Max = DefaultMax
+	}
+	if rl.MaxTracked == 0 {
+		rl.MaxTracked = DefaultMaxTracked
+	}
+	if rl.IPv6Prefix == 0 {
+		rl.IPv6Prefix = DefaultIPv6Prefix
+	}
+	if rl.Headers == "" {
+		rl.Headers = HeadersLegacy
+	}
+	if rl.GCInterval == 0 {
+		rl.GCInterval = caddy.Duration(DefaultGCInterval)
+	}
+	if err := rl.check(); err != nil {
+		return err
+	}
+
+	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max}
+	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
+	rl.headers = rl.Headers
+	rl.limitStr = strconv.Itoa(rl.Max)
+	rl.policy = fmt.Sprintf("%q;q=%d;w=%d", rl.Zone, rl.Max, int64(rl.limit.Window/time.Second))
+
+	if err := claimZone(ctx.Context, rl.Zone, rl.zoneSettings()); err != nil {
+		return err
+	}
+	z, _, err := zones.LoadOrNew(rl.Zone, func() (caddy.Destructor, error) {
+		return newZone(rl), nil
+	})
+	if err != nil {
+		return fmt.Errorf("loading zone %q: %w", rl.Zone, err)
+	}
+	rl.zone = z.(*zone)
+	rl.zone.apply(rl)
+	return nil
+}
+
+// Validate checks the settings. Provision already refuses bad ones, so that a
+// zone is never created from them; Validate repeats the check for callers
+// that validate without provisioning.
+func (rl *RateLimit) Validate() error {
+	return rl.check()
+}
+
+// Cleanup lets go of the zone; the last handler to let go of it stops it.
+func (rl *RateLimit) Cleanup() error {
+	if rl.zone == nil {
+		return nil
+	}
+	rl.zone = nil
+	_, err := zones.Delete(rl.Zone)
+	return err
+}
+
+// ServeHTTP counts the request against its key and either passes it on, with
+// the quota headers set, or refuses it with 429.
+func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if !rl.isEnabled() {
+		return next.ServeHTTP(w, r)
+	}
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	key := rl.key(r, repl)
+	if key == "" {
+		return next.ServeHTTP(w, r)
+	}
+
+	now := rl.now()
+	v, err := rl.zone.store.Hit(r.Context(), key, now, rl.limit)
+	if err != nil {
+		rl.zone.count(resultStoreError)
+		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
+	}
+	rl.setHeaders(w.Header(), v, now)
+
+	reset := ceilSeconds(v.Reset.UnixNano())
+	repl.Set("http.rate_limit.zone", rl.Zone)
+	repl.Set("http.rate_limit.key", key)
+	repl.Set("http.rate_limit.limit", v.Limit)
+	repl.Set("http.rate_limit.remaining", v.Remaining)
+	repl.Set("http.rate_limit.reset", reset)
+	repl.Set("http.rate_limit.exceeded", !v.Allowed)
+	if v.Allowed {
+		rl.zone.count(resultAllowed)
+		return next.ServeHTTP(w, r)
+	}
+
+	rl.zone.count(resultLimited)
+	if v.FirstRefusal {
+		if c := rl.logger.Check(zapcore.InfoLevel, "rate limit exceeded"); c != nil {
+			c.Write(
+				zap.String("zone", rl.Zone),
+				zap.String("key", key),
+				zap.Int("max", v.Limit),
+				zap.Duration("window", rl.limit.Window),
+				zap.Int64("reset", reset),
+			)
+		}
+	}
+	w.Header().Set("Retry-After", strconv.FormatInt(max(ceilSeconds(int64(v.RetryAfter)), 1), 10))
+	return caddyhttp.Error(http.StatusTooManyRequests,
+		fmt.Errorf("rate limit exceeded: key %s in zone %q is over %d requests per %s", key, rl.Zone, v.Limit, rl.limit.Window))
+}
+
+// key returns the key the request is counted under, or "" if it has none.
+func (rl *RateLimit) key(r *http.Request, repl *caddy.Replacer) string {
+	if !rl.byIP {
+		if k := repl.ReplaceKnown(rl.Key, ""); k != "" {
+			return k
+		}
+	}
+	ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
+	if ip == "" {
+		return ""
+	}
+	return clientIPKey(ip, rl.IPv6Prefix)
+}
+
+// setHeaders sets the quota headers of the configured mode.
+func (rl *RateLimit) setHeaders(h http.Header, v Verdict, now time.Time) {
+	if rl.headers == HeadersNone {
+		return
+	}
+	remaining := strconv.Itoa(v.Remaining)
+	if rl.headers == HeadersLegacy || rl.headers == HeadersBoth {
+		h.Set("X-RateLimit-Limit", rl.limitStr)
+		h.Set("X-RateLimit-Remaining", remaining)
+		h.Set("X-RateLimit-Reset", strconv.FormatInt(ceilSeconds(v.Reset.UnixNano()), 10))
+	}
+	if rl.headers == HeadersIETF || rl.headers == HeadersBoth {
+		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)
+		h.Set("RateLimit-Policy", rl.policy)
+		h.Set("RateLimit", fmt.Sprintf("%q;r=%s;t=%d", rl.Zone, remaining, left))
+	}
+}
+
+// check reports the first invalid setting, naming the option and its value.
+func (rl *RateLimit) check() error {
+	var errs []error
+	if rl.Max < 0 {
+		errs = append(errs, fmt.Errorf("invalid max %d: must be at least 1", rl.Max))
+	}
+	if w := time.Duration(rl.Window); w < 0 || (w > 0 && w < time.Second) {
+		errs = append(errs, fmt.Errorf("invalid window %s: must be at least 1s (a bare number in JSON is nanoseconds; write \"60s\")", w))
+	}
+	if rl.MaxTracked != 0 && rl.MaxTracked < MinMaxTracked {
+		errs = append(errs, fmt.Errorf("invalid max_tracked %d: must be at least %d", rl.MaxTracked, MinMaxTracked))
+	}
+	if rl.IPv6Prefix < 0 || rl.IPv6Prefix > 128 {
+		errs = append(errs, fmt.Errorf("invalid ipv6_prefix %d: must be between 1 and 128", rl.IPv6Prefix))
+	}
+	switch rl.Headers {
+	case "", HeadersLegacy, HeadersIETF, HeadersBoth, HeadersNone:
+	default:
+		errs = append(errs, fmt.Errorf("invalid headers %q: must be legacy, ietf, both or none", rl.Headers))
+	}
+	if rl.GCInterval < 0 {
+		errs = append(errs, fmt.Errorf("invalid gc_interval %s: must be positive", time.Duration(rl.GCInterval)))
+	}
+	return errors.Join(errs...)
+}
+
+// isEnabled reports whether the handler limits at all.
+func (rl *RateLimit) isEnabled() bool {
+	return rl.Enabled == nil || *rl.Enabled
+}
+
+// zoneSettings describes the settings handlers naming one zone must share.
+func (rl *RateLimit) zoneSettings() string {
+	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t",
+		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled())
+}
+
+// ceilSeconds converts nanoseconds to whole seconds, rounding up.
+func ceilSeconds(ns int64) int64 {
+	s := ns / int64(time.Second)
+	if ns%int64(time.Second) > 0 {
+		s++
+	}
+	return s
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*RateLimit)(nil)
+	_ caddy.Validator             = (*RateLimit)(nil)
+	_ caddy.CleanerUpper          = (*RateLimit)(nil)
+	_ caddyhttp.MiddlewareHandler = (*RateLimit)(nil)
+)

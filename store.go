@@ -1,0 +1,74 @@
+package ratelimit
+
+import (
+	"context"
+	"time"
+)
+
+// Limit is the quota a store enforces for one decision: at most Max requests
+// per key in each Window. It is passed with every Hit rather than fixed when
+// the store is built, so a config reload that changes window or max applies at
+// once to a store that keeps its counts.
+type Limit struct {
+	// Window is the length of one fixed window. It must be positive.
+	Window time.Duration
+	// Max is the number of requests admitted per key per window. It must be
+	// at least 1.
+	Max int
+}
+
+// Verdict is a store's answer to one Hit: whether the request is admitted and
+// the quota figures the handler turns into response headers.
+type Verdict struct {
+	// Allowed reports whether the request is admitted.
+	Allowed bool
+	// Limit is the Max the decision was made against.
+	Limit int
+	// Remaining is Max minus the requests admitted in this window, never
+	// negative.
+	Remaining int
+	// Reset is when the key's current window ends.
+	Reset time.Time
+	// RetryAfter is how long a refused client should wait: the time left until
+	// Reset. It is zero when the request is admitted.
+	RetryAfter time.Duration
+	// FirstRefusal is true for the first refused request of a key in a window,
+	// so the handler logs and reports a key going over its limit once, not once
+	// per refused request.
+	FirstRefusal bool
+}
+
+// KeyState is one tracked key as the admin API lists it.
+type KeyState struct {
+	// Key is the client key (an IP address, an IPv6 prefix or the value of a
+	// custom key placeholder).
+	Key string
+	// Count is the number of requests admitted in the current window.
+	Count int
+	// Refused is the number of requests refused in the current window.
+	Refused int
+	// Reset is when the current window ends.
+	Reset time.Time
+}
+
+// Store keeps the per-key counters of one zone. Implementations are safe for
+// concurrent use.
+type Store interface {
+	// Hit counts one request for key at time now against limit and returns
+	// the verdict. A refused request is not added to the window's count (it
+	// never extends a lockout) but is tallied in the key's refused count.
+	Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error)
+
+	// Len returns the number of keys tracked, expired windows included until
+	// they are purged.
+	Len() int
+
+	// Range calls fn for every key whose window has not expired at now, in no
+	// particular order, until fn returns false. It never holds a lock across
+	// the whole store.
+	Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error
+
+	// Forget drops key at once, so its next request starts a fresh window.
+	// It reports whether the key was tracked.
+	Forget(ctx context.Context, key string) (bool, error)
+}

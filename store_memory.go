@@ -1,0 +1,279 @@
+package ratelimit
+
+import (
+	"context"
+	"hash/maphash"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// MemoryStore is the in-process Store: fixed windows in a sharded hash map,
+// bounded to a maximum number of tracked keys. When a shard is full it first
+// purges expired windows, then evicts the keys it inserted first (FIFO).
+//
+// A Hit on a key already tracked is one hash, one shard lock and one map
+// lookup, and allocates nothing. The zero value is not usable; call
+// NewMemoryStore. A MemoryStore is safe for concurrent use.
+type MemoryStore struct {
+	seed       maphash.Seed
+	shards     []memShard
+	mask       uint64
+	shardCap   atomic.Int64 // keys per shard: max tracked / number of shards
+	tracked    atomic.Int64
+	evictions  atomic.Uint64
+	purgeEvery time.Duration // least time between two full purges of a shard on insert
+}
+
+// memEntry is one key's fixed window: 32 bytes and no pointers, so a large
+// map costs the garbage collector nothing to scan.
+type memEntry struct {
+	reset   int64 // Unix nanoseconds at which the window ends
+	count   int64 // requests admitted in the window
+	refused int64 // requests refused in the window
+	seq     uint64
+}
+
+// orderItem records one insertion; an item whose seq no longer matches the
+// entry's is stale (the key was purged, forgotten or re-inserted).
+type orderItem struct {
+	key string
+	seq uint64
+}
+
+type memShard struct {
+	mu       sync.Mutex
+	entries  map[string]memEntry
+	order    []orderItem // insertion order; live items start at head
+	head     int
+	seq      uint64
+	purgedAt int64
+	_        [64]byte // keep neighbouring shards' locks off one cache line
+}
+
+// minShardKeys is the fewest keys a shard is sized for, so a small max tracked
+// still gets an even spread of keys across shards.
+const minShardKeys = 250
+
+// NewMemoryStore returns a MemoryStore that tracks at most maxTracked keys
+// (at least 1).
+func NewMemoryStore(maxTracked int) *MemoryStore {
+	maxTracked = max(maxTracked, 1)
+	n := 1
+	for n < 64 && (n*2)*minShardKeys <= maxTracked {
+		n *= 2
+	}
+	s := &MemoryStore{
+		seed:       maphash.MakeSeed(),
+		shards:     make([]memShard, n),
+		mask:       uint64(n - 1),
+		purgeEvery: time.Second,
+	}
+	for i := range s.shards {
+		s.shards[i].entries = make(map[string]memEntry)
+	}
+	s.SetMaxTracked(maxTracked)
+	return s
+}
+
+// SetMaxTracked changes the bound on tracked keys. A lower bound is enforced
+// as new keys arrive; keys already tracked stay until then.
+func (s *MemoryStore) SetMaxTracked(maxTracked int) {
+	s.shardCap.Store(int64(max(maxTracked/len(s.shards), 1)))
+}
+
+// MaxTracked returns the bound on tracked keys, rounded down to a multiple of
+// the number of shards.
+func (s *MemoryStore) MaxTracked() int {
+	return int(s.shardCap.Load()) * len(s.shards)
+}
+
+// Evictions returns how many live keys were evicted to make room for new ones
+// since the store was created. Expired windows purged are not counted.
+func (s *MemoryStore) Evictions() uint64 { return s.evictions.Load() }
+
+func (s *MemoryStore) shard(key string) *memShard {
+	return &s.shards[maphash.String(s.seed, key)&s.mask]
+}
+
+// Hit implements Store. It never returns an error.
+func (s *MemoryStore) Hit(_ context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+	t := now.UnixNano()
+	sh := s.shard(key)
+	sh.mu.Lock()
+	e, ok := sh.entries[key]
+	if !ok {
+		key = strings.Clone(key) // never pin the request's memory in the map
+		s.makeRoom(sh, t)
+		sh.seq++
+		e.seq = sh.seq
+		e.reset = t + int64(limit.Window)
+		sh.order = append(sh.order, orderItem{key: key, seq: e.seq})
+		s.tracked.Add(1)
+	} else if t >= e.reset {
+		e.count, e.refused = 0, 0
+		e.reset = t + int64(limit.Window)
+	}
+	v := Verdict{Limit: limit.Max}
+	if e.count < int64(limit.Max) {
+		e.count++
+		v.Allowed = true
+	} else {
+		e.refused++
+		v.FirstRefusal = e.refused == 1
+	}
+	sh.entries[key] = e
+	sh.mu.Unlock()
+
+	v.Remaining = int(max(int64(limit.Max)-e.count, 0))
+	v.Reset = time.Unix(0, e.reset)
+	if !v.Allowed {
+		v.RetryAfter = time.Duration(e.reset - t)
+	}
+	return v, nil
+}
+
+// makeRoom frees a slot in a full shard: it purges expired windows (at most
+// once per purgeEvery, since a purge scans the shard), then evicts the oldest
+// inserted keys. The caller holds sh.mu.
+func (s *MemoryStore) makeRoom(sh *memShard, t int64) {
+	limit := int(s.shardCap.Load())
+	if len(sh.entries) < limit {
+		return
+	}
+	if t-sh.purgedAt >= int64(s.purgeEvery) {
+		sh.purgedAt = t
+		s.tracked.Add(-int64(sh.purge(t)))
+	}
+	for len(sh.entries) >= limit && sh.head < len(sh.order) {
+		it := sh.order[sh.head]
+		sh.order[sh.head] = orderItem{}
+		sh.head++
+		if e, ok := sh.entries[it.key]; ok && e.seq == it.seq {
+			delete(sh.entries, it.key)
+			s.tracked.Add(-1)
+			s.evictions.Add(1)
+		}
+	}
+	sh.compact()
+}
+
+// purge deletes every expired window of the shard and returns how many it
+// deleted. The caller holds sh.mu.
+func (sh *memShard) purge(t int64) int {
+	n := 0
+	for k, e := range sh.entries {
+		if t >= e.reset {
+			delete(sh.entries, k)
+			n++
+		}
+	}
+	if n > 0 {
+		sh.compact()
+	}
+	return n
+}
+
+// compact drops consumed and stale insertion records once they outnumber the
+// live ones, keeping the order slice proportional to the shard. The caller
+// holds sh.mu.
+func (sh *memShard) compact() {
+	live := len(sh.order) - sh.head
+	if live <= 2*len(sh.entries)+64 && sh.head <= len(sh.order)/2 {
+		return
+	}
+	kept := make([]orderItem, 0, len(sh.entries)+len(sh.entries)/4+16)
+	for _, it := range sh.order[sh.head:] {
+		if e, ok := sh.entries[it.key]; ok && e.seq == it.seq {
+			kept = append(kept, it)
+		}
+	}
+	sh.order, sh.head = kept, 0
+}
+
+// Len implements Store.
+func (s *MemoryStore) Len() int { return int(s.tracked.Load()) }
+
+// Range implements Store. It copies one shard at a time under that shard's
+// lock and calls fn with no lock held.
+func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
+	t := now.UnixNano()
+	var batch []KeyState
+	for i := range s.shards {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		sh := &s.shards[i]
+		batch = batch[:0]
+		sh.mu.Lock()
+		for k, e := range sh.entries {
+			if t < e.reset {
+				batch = append(batch, KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset)})
+			}
+		}
+		sh.mu.Unlock()
+		for _, ks := range batch {
+			if !fn(ks) {
+				return nil
+			}
+		}
+	}
+	return nil
+}
+
+// Forget implements Store. It never returns an error.
+func (s *MemoryStore) Forget(_ context.Context, key string) (bool, error) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	_, ok := sh.entries[key]
+	if ok {
+		delete(sh.entries, key)
+		s.tracked.Add(-1)
+	}
+	sh.mu.Unlock()
+	return ok, nil
+}
+
+// Sweep purges every window expired at now, one shard at a time, and returns
+// how many keys it dropped.
+func (s *MemoryStore) Sweep(now time.Time) int {
+	t := now.UnixNano()
+	total := 0
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		n := sh.purge(t)
+		sh.compact()
+		sh.mu.Unlock()
+		s.tracked.Add(-int64(n))
+		total += n
+	}
+	return total
+}
+
+// RunSweeper calls Sweep every interval(), give or take a tenth at random so
+// that zones created together do not sweep together, until ctx is done.
+// interval is read before each wait, so a caller can change it while the
+// sweeper runs; a non-positive interval stops the sweeper.
+func (s *MemoryStore) RunSweeper(ctx context.Context, interval func() time.Duration) {
+	for {
+		interval := interval()
+		if interval <= 0 {
+			return
+		}
+		jitter := time.Duration(rand.Int64N(int64(interval)/5+1)) - interval/10
+		timer := time.NewTimer(interval + jitter)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return
+		case now := <-timer.C:
+			s.Sweep(now)
+		}
+	}
+}
+
+// Interface guards
+var _ Store = (*MemoryStore)(nil)

@@ -1,0 +1,127 @@
+// Package tests holds the end-to-end tests: a real Caddy started in this test
+// process by caddytest, driven over real sockets. Every test that starts Caddy
+// lives in this package so that no two packages fight over Caddy's
+// process-global state; each test names its own zones.
+package tests
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+
+	_ "github.com/caddy-rate-limit/caddy-rate-limit"
+)
+
+// adminPort is the in-process Caddy's admin endpoint. It is picked free at
+// start so that test runs in two checkouts on one machine never collide.
+var adminPort int
+
+func TestMain(m *testing.M) {
+	adminPort = freePort()
+	caddytest.Default.AdminPort = adminPort
+	os.Exit(m.Run())
+}
+
+// freePort returns a loopback TCP port that was free a moment ago.
+func freePort() int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// server is a running Caddy config under test.
+type server struct {
+	*caddytest.Tester
+	t    *testing.T
+	Port int    // the HTTP port of the site
+	Base string // "http://127.0.0.1:<Port>"
+}
+
+// globals is prepended to every test Caddyfile: the admin endpoint must stay
+// where caddytest expects it, and nothing may ask for certificates.
+const globals = `{
+	admin localhost:%d
+	skip_install_trust
+	auto_https off
+	http_port %d
+	https_port %d
+	grace_period 1s
+	%s
+}
+`
+
+// startCaddy loads a Caddyfile into the in-process Caddy. site is the config
+// after the global options; "$PORT" in it stands for a free port, and extra
+// is added to the global options block. Call it again with the same server to
+// reload.
+func startCaddy(t *testing.T, extra, site string) *server {
+	t.Helper()
+	port := freePort()
+	s := &server{Tester: caddytest.NewTester(t), t: t, Port: port, Base: fmt.Sprintf("http://127.0.0.1:%d", port)}
+	s.reload(extra, site)
+	return s
+}
+
+// reload loads a new Caddyfile on the same port, as a config reload through
+// the admin API would.
+func (s *server) reload(extra, site string) {
+	s.t.Helper()
+	cfg := fmt.Sprintf(globals, adminPort, s.Port, freePort(), extra) + strings.ReplaceAll(site, "$PORT", fmt.Sprint(s.Port))
+	s.InitServer(cfg, "caddyfile")
+	if s.t.Failed() {
+		s.t.FailNow()
+	}
+}
+
+// client is a plain HTTP client for requests the caddytest client would
+// reroute (it sends every dial to 127.0.0.1).
+var client = &http.Client{Timeout: 10 * time.Second}
+
+// get sends a GET to path with the given headers (name, value pairs) and
+// returns the response with its body read.
+func (s *server) get(path string, headers ...string) (*http.Response, string) {
+	s.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, s.Base+path, nil)
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		s.t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		s.t.Fatalf("reading GET %s: %v", path, err)
+	}
+	return resp, string(body)
+}
+
+// wantStatus fails the test unless resp has the given status.
+func wantStatus(t *testing.T, resp *http.Response, want int) {
+	t.Helper()
+	if resp.StatusCode != want {
+		t.Fatalf("status = %d, want %d", resp.StatusCode, want)
+	}
+}
+
+// wantHeader fails the test unless resp carries header name with value want.
+func wantHeader(t *testing.T, resp *http.Response, name, want string) {
+	t.Helper()
+	if got := resp.Header.Get(name); got != want {
+		t.Errorf("%s = %q, want %q", name, got, want)
+	}
+}

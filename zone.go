@@ -1,0 +1,126 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// zones holds every zone's store. It is a package-level UsagePool because a
+// zone's counters must outlive the config that created them: on a reload the
+// new config's handlers take the zone before the old config's handlers let go
+// of it, so no count is lost.
+var zones = caddy.NewUsagePool()
+
+// zone is the state that handlers naming one zone share.
+type zone struct {
+	name  string
+	store Store
+
+	// mem is the store when it is the in-process one, for the settings
+	// only it has (max tracked, the sweep interval); nil otherwise.
+	mem        *MemoryStore
+	gcInterval atomic.Int64
+
+	// Settings of the most recently provisioned config naming the zone,
+	// for the admin API.
+	enabled atomic.Bool
+	limit   atomic.Pointer[Limit]
+
+	// results counts decisions by outcome since the zone was created; the
+	// metrics read them, so a config reload never resets a counter.
+	results [numResults]atomic.Uint64
+
+	// wsLive is the number of WebSocket connections open through the zone.
+	wsLive atomic.Int64
+
+	cancel context.CancelFunc
+}
+
+// Decision outcomes, as the result label of the requests metric.
+const (
+	resultAllowed    = iota // admitted
+	resultLimited           // refused for being over the limit
+	resultDryRun            // over the limit but let through by dry run
+	resultStoreError        // the store failed to decide
+	numResults
+)
+
+// resultNames are the result label values, indexed by outcome.
+var resultNames = [numResults]string{"allowed", "limited", "dry_run", "store_error"}
+
+// count records one decision with the given outcome.
+func (z *zone) count(result int) { z.results[result].Add(1) }
+
+// kind names the zone's store for the admin API: "memory" or "redis".
+func (z *zone) kind() string {
+	if z.mem != nil {
+		return "memory"
+	}
+	return "redis"
+}
+
+// health reports the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
+// where the store has one, or "".
+func (z *zone) health() string {
+	if h, ok := z.store.(interface{ Health() string }); ok {
+		return h.Health()
+	}
+	return ""
+}
+
+// newZone builds a zone for the handler's settings and starts its sweeper.
+func newZone(rl *RateLimit) *zone {
+	ctx, cancel := context.WithCancel(context.Background())
+	mem := NewMemoryStore(rl.MaxTracked)
+	z := &zone{name: rl.Zone, store: mem, mem: mem, cancel: cancel}
+	z.apply(rl)
+	go mem.RunSweeper(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
+	return z
+}
+
+// apply takes the settings of a newly provisioned handler, so that a reload
+// that changes them takes effect without dropping the zone's counts.
+func (z *zone) apply(rl *RateLimit) {
+	lim := rl.limit
+	z.limit.Store(&lim)
+	z.enabled.Store(rl.isEnabled())
+	z.gcInterval.Store(int64(rl.GCInterval))
+	if z.mem != nil {
+		z.mem.SetMaxTracked(rl.MaxTracked)
+	}
+}
+
+// Destruct stops the zone's background work when the last handler naming it
+// is cleaned up.
+func (z *zone) Destruct() error {
+	z.cancel()
+	return nil
+}
+
+// loadZones records, for each config being loaded, the settings every zone
+// was given, so that two handlers of one config cannot name the same zone with
+// different settings. An entry goes when its config's context ends.
+var loadZones sync.Map // context.Context → *sync.Map (zone name → settings string)
+
+// claimZone records that a handler of the config whose context is ctx names
+// zone with settings, and fails if another handler of that config named the
+// zone with different ones.
+func claimZone(ctx context.Context, zone, settings string) error {
+	perLoad, loaded := loadZones.LoadOrStore(ctx, new(sync.Map))
+	if !loaded {
+		context.AfterFunc(ctx, func() { loadZones.Delete(ctx) })
+	}
+	prev, loaded := perLoad.(*sync.Map).LoadOrStore(zone, settings)
+	if loaded && prev.(string) != settings {
+		return fmt.Errorf("zone %q is configured twice with different settings: %s and %s", zone, prev, settings)
+	}
+	return nil
+}
+
+// Interface guards
+var _ caddy.Destructor = (*zone)(nil)
