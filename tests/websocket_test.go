@@ -393,9 +393,11 @@ func TestWebSocketNoLeak(t *testing.T) {
 		if err != nil {
 			t.Fatalf("cycle %d: dialing: %v", i, err)
 		}
-		if echoes(c) {
-			echoed++
+		if !echoes(c) {
+			c.CloseNow() // refused: closed already
+			continue
 		}
+		echoed++
 		switch {
 		case i%3 != 0:
 			if err := c.Close(websocket.StatusNormalClosure, ""); err != nil {
