@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/net/http/httpguts"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -115,7 +116,11 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 				zap.Int("ws_max_connections_per_ip", rl.WSMaxConnectionsPerIP),
 			)
 		}
-		caddyhttp.SetVar(r.Context(), "rate_limit.websocket_limited", true)
+		// Refused by this handler, if for the cap rather than the rate, so
+		// handle_errors renders it like any refusal.
+		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+			repl.Set("http.rate_limit.exceeded", true)
+		}
 		w.Header().Set("Retry-After", wsCapRetryAfter)
 		if rl.refuseWebSocket(w, r) {
 			return nil

@@ -198,7 +198,8 @@ func TestWebSocketOverCapCloses1013(t *testing.T) {
 		HTTPHeader:   http.Header{"Origin": {"https://elsewhere.example"}},
 		Subprotocols: []string{"chat"},
 	}
-	s.wantTryAgainLater("/", opts)
+	resp = s.wantTryAgainLater("/", opts)
+	wantHeader(t, resp, "Sec-WebSocket-Protocol", "chat")
 
 	// Plain requests are not capped.
 	resp, _ = s.get("/")
