@@ -16,7 +16,8 @@ import (
 	"github.com/coder/websocket"
 )
 
-// echoBackend is a real WebSocket server that sends every message back.
+// echoBackend is a real WebSocket server that sends every message back, and
+// closes the socket on "bye".
 type echoBackend struct {
 	*httptest.Server
 	open atomic.Int64 // sockets the backend has open
@@ -38,6 +39,10 @@ func startEchoBackend(t *testing.T) *echoBackend {
 		for {
 			typ, msg, err := c.Read(ctx)
 			if err != nil {
+				return
+			}
+			if string(msg) == "bye" {
+				c.Close(websocket.StatusNormalClosure, "bye")
 				return
 			}
 			if err := c.Write(ctx, typ, msg); err != nil {
@@ -349,6 +354,40 @@ func TestWebSocketLiveCountSurvivesReload(t *testing.T) {
 	c := s.dialUntilAdmitted("/")
 	wantEcho(t, c, "c")
 	b.CloseNow()
+	c.CloseNow()
+}
+
+// A slot comes back when the backend closes the socket and when
+// reverse_proxy's stream_timeout ends it.
+func TestWebSocketSlotFreedByBackendAndTimeout(t *testing.T) {
+	backend := startEchoBackend(t)
+	s := startCaddy(t, "", wsSite(backend, `
+		zone ws_ends
+		window 60
+		max 1000
+		ws_max_connections_per_ip 1`, "stream_timeout 1s"))
+
+	a, _ := s.mustDialWS("/")
+	wantEcho(t, a, "a")
+	s.wantTryAgainLater("/", nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := a.Write(ctx, websocket.MessageText, []byte("bye")); err != nil {
+		t.Fatalf("writing bye: %v", err)
+	}
+	if code, reason := closeStatus(t, a); code != websocket.StatusNormalClosure {
+		t.Fatalf("after bye: close %d %q, want the backend's 1000", code, reason)
+	}
+
+	b := s.dialUntilAdmitted("/")
+	opened := time.Now()
+	s.wantTryAgainLater("/", nil)
+	closeStatus(t, b) // ended by stream_timeout
+	if d := time.Since(opened); d < 500*time.Millisecond {
+		t.Fatalf("socket ended after %s, before stream_timeout", d)
+	}
+	c := s.dialUntilAdmitted("/")
+	wantEcho(t, c, "c")
 	c.CloseNow()
 }
 
