@@ -34,6 +34,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		headers     legacy|ietf|both|none # default legacy (X-RateLimit-*)
 //		gc_interval <duration>            # default 5m, jittered
 //		enabled     true|false            # default true; false passes everything at no cost
+//		ws_max_connections_per_ip <n>     # default unlimited                        (alias: wsMaxConnectionsPerIp)
+//		ws_reject   close|status          # default close: 1013 Try Again Later; status: 429
 //	}
 //
 // Every option takes exactly one argument. windowS takes an integer of
@@ -87,6 +89,15 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				err = d.Errf("invalid enabled %q: must be true or false", val)
 			}
 			rl.Enabled = &on
+		case "ws_max_connections_per_ip", "wsMaxConnectionsPerIp":
+			rl.WSMaxConnectionsPerIP, err = parseInt(d, opt, val, 1)
+		case "ws_reject":
+			switch val {
+			case WSRejectClose, WSRejectStatus:
+				rl.WSReject = val
+			default:
+				err = d.Errf("invalid ws_reject %q: must be close or status", val)
+			}
 		default:
 			return d.Errf("unrecognized rate_limit subdirective %q", opt)
 		}

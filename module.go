@@ -98,6 +98,21 @@ type RateLimit struct {
 	// untouched, uncounted and without quota headers. Default: true.
 	Enabled *bool `json:"enabled,omitempty"`
 
+	// WSMaxConnectionsPerIP caps the WebSockets each key (the client IP, or
+	// the custom key) may have open at once through the zone; a handshake
+	// past the cap is refused as WSReject says. The count is per Caddy
+	// process: a cap across instances belongs to the edge. 0 means no cap.
+	// Default: 0 (unlimited).
+	WSMaxConnectionsPerIP int `json:"ws_max_connections_per_ip,omitempty"`
+
+	// WSReject is how a WebSocket handshake over the rate or over
+	// WSMaxConnectionsPerIP is refused: "close" completes the handshake and
+	// closes at once with status 1013 Try Again Later (a 429 where the
+	// connection cannot be taken over: HTTP/2 or HTTP/3 extended CONNECT);
+	// "status" answers 429 Too Many Requests with the usual headers.
+	// Default: "close".
+	WSReject string `json:"ws_reject,omitempty"`
+
 	zone     *zone
 	limit    Limit
 	byIP     bool // the key is the client IP (no custom placeholder)
@@ -140,6 +155,9 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 	if rl.GCInterval == 0 {
 		rl.GCInterval = caddy.Duration(DefaultGCInterval)
+	}
+	if rl.WSReject == "" {
+		rl.WSReject = WSRejectClose
 	}
 	if err := rl.check(); err != nil {
 		return err
@@ -209,7 +227,11 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	repl.Set("http.rate_limit.remaining", v.Remaining)
 	repl.Set("http.rate_limit.reset", reset)
 	repl.Set("http.rate_limit.exceeded", !v.Allowed)
+	ws := isWebSocket(r)
 	if v.Allowed {
+		if ws {
+			return rl.serveWebSocket(w, r, next, rl.zone, key)
+		}
 		rl.zone.count(resultAllowed)
 		return next.ServeHTTP(w, r)
 	}
@@ -227,6 +249,9 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		}
 	}
 	w.Header().Set("Retry-After", strconv.FormatInt(max(ceilSeconds(int64(v.RetryAfter)), 1), 10))
+	if ws && rl.refuseWebSocket(w, r) {
+		return nil
+	}
 	return caddyhttp.Error(http.StatusTooManyRequests,
 		fmt.Errorf("rate limit exceeded: key %s in zone %q is over %d requests per %s", key, rl.Zone, v.Limit, rl.limit.Window))
 }
@@ -285,6 +310,14 @@ func (rl *RateLimit) check() error {
 	}
 	if rl.GCInterval < 0 {
 		errs = append(errs, fmt.Errorf("invalid gc_interval %s: must be positive", time.Duration(rl.GCInterval)))
+	}
+	if rl.WSMaxConnectionsPerIP < 0 {
+		errs = append(errs, fmt.Errorf("invalid ws_max_connections_per_ip %d: must be at least 1, or 0 for no cap", rl.WSMaxConnectionsPerIP))
+	}
+	switch rl.WSReject {
+	case "", WSRejectClose, WSRejectStatus:
+	default:
+		errs = append(errs, fmt.Errorf("invalid ws_reject %q: must be close or status", rl.WSReject))
 	}
 	return errors.Join(errs...)
 }

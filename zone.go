@@ -37,6 +37,9 @@ type zone struct {
 
 	// wsLive is the number of WebSocket connections open through the zone.
 	wsLive atomic.Int64
+	// ws counts the open WebSocket connections per key, for
+	// ws_max_connections_per_ip.
+	ws wsConns
 
 	cancel context.CancelFunc
 }

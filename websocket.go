@@ -1,0 +1,209 @@
+package ratelimit
+
+import (
+	"encoding/base64"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+
+	"github.com/coder/websocket"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/net/http/httpguts"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// WebSocket refusal modes: how a handshake over the rate or over the
+// connection cap is turned away.
+const (
+	// WSRejectClose completes the handshake and closes the socket at once
+	// with status 1013 Try Again Later (RFC 6455 §7.4.1), a code browser
+	// clients can act on. Where the connection cannot be taken over (HTTP/2
+	// or HTTP/3 extended CONNECT) the refusal is a 429 instead.
+	WSRejectClose = "close"
+	// WSRejectStatus refuses with a plain 429 Too Many Requests and the usual
+	// headers, as for any other request.
+	WSRejectStatus = "status"
+)
+
+// wsCloseReason is the reason sent with the 1013 close frame.
+const wsCloseReason = "Try Again Later"
+
+// wsCapRetryAfter is the Retry-After, in seconds, of a 429 for a handshake
+// over the connection cap: a slot frees whenever one of the key's sockets
+// ends, which no clock predicts.
+const wsCapRetryAfter = "1"
+
+// isWebSocket reports whether r opens a WebSocket: an HTTP/1.1 upgrade
+// (Connection: upgrade and Upgrade: websocket, as Caddy's reverse proxy
+// detects it) or an HTTP/2 or HTTP/3 extended CONNECT for the websocket
+// protocol (RFC 8441, RFC 9220).
+func isWebSocket(r *http.Request) bool {
+	if r.ProtoMajor < 2 {
+		return httpguts.HeaderValuesContainsToken(r.Header["Connection"], "upgrade") &&
+			httpguts.HeaderValuesContainsToken(r.Header["Upgrade"], "websocket")
+	}
+	return r.Method == http.MethodConnect &&
+		(r.Header.Get(":protocol") == "websocket" || r.Proto == "websocket")
+}
+
+// wsConns counts the WebSockets open through one zone, per key. It lives in
+// the zone, so the counts survive config reloads as the zone's request
+// counters do. Its zero value is ready to use; it is safe for concurrent use.
+type wsConns struct {
+	mu   sync.Mutex
+	live map[string]int // key → open sockets; a key at 0 is deleted
+}
+
+// wsAcquire takes one of key's WebSocket slots unless it already has limit
+// sockets open (limit 0: no cap). On success it returns a release function
+// that gives the slot back; calling it again does nothing, so the slot is
+// given back exactly once.
+func (z *zone) wsAcquire(key string, limit int) (release func(), ok bool) {
+	c := &z.ws
+	c.mu.Lock()
+	n := c.live[key]
+	if limit > 0 && n >= limit {
+		c.mu.Unlock()
+		return nil, false
+	}
+	if c.live == nil {
+		c.live = make(map[string]int)
+	}
+	c.live[key] = n + 1
+	c.mu.Unlock()
+	z.wsLive.Add(1)
+
+	var once sync.Once
+	return func() { once.Do(func() { z.wsRelease(key) }) }, true
+}
+
+// wsRelease gives back one of key's WebSocket slots.
+func (z *zone) wsRelease(key string) {
+	c := &z.ws
+	c.mu.Lock()
+	if n := c.live[key]; n > 1 {
+		c.live[key] = n - 1
+	} else {
+		delete(c.live, key)
+	}
+	c.mu.Unlock()
+	z.wsLive.Add(-1)
+}
+
+// wsOpen returns the number of WebSockets key has open through the zone.
+func (z *zone) wsOpen(key string) int {
+	z.ws.mu.Lock()
+	defer z.ws.mu.Unlock()
+	return z.ws.live[key]
+}
+
+// serveWebSocket passes an admitted WebSocket handshake on, holding one of
+// the key's connection slots for as long as next serves the socket (for
+// reverse_proxy, until the tunnel ends however it ends), or refuses it when
+// the key already has WSMaxConnectionsPerIP sockets open.
+func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, z *zone, key string) error {
+	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
+	if !ok {
+		z.count(resultLimited)
+		if c := rl.logger.Check(zapcore.DebugLevel, "websocket connection limit reached"); c != nil {
+			c.Write(
+				zap.String("zone", rl.Zone),
+				zap.String("key", key),
+				zap.Int("ws_max_connections_per_ip", rl.WSMaxConnectionsPerIP),
+			)
+		}
+		// Refused by this handler, if for the cap rather than the rate, so
+		// handle_errors renders it like any refusal.
+		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+			repl.Set("http.rate_limit.exceeded", true)
+		}
+		w.Header().Set("Retry-After", wsCapRetryAfter)
+		if rl.refuseWebSocket(w, r) {
+			return nil
+		}
+		return caddyhttp.Error(http.StatusTooManyRequests,
+			fmt.Errorf("websocket connection limit reached: key %s in zone %q has %d open", key, rl.Zone, rl.WSMaxConnectionsPerIP))
+	}
+	defer release()
+	z.count(resultAllowed)
+	return next.ServeHTTP(w, r)
+}
+
+// refuseWebSocket turns a WebSocket handshake away with a close 1013 Try
+// Again Later when the handler is set to, and the connection can be taken
+// over. It reports whether it did so; if not, the caller refuses with 429.
+// The quota headers already set on w go out on the 101 response.
+func (rl *RateLimit) refuseWebSocket(w http.ResponseWriter, r *http.Request) bool {
+	if rl.WSReject == WSRejectStatus || !canTakeOver(w, r) {
+		return false
+	}
+	c, err := websocket.Accept(w, r, &websocket.AcceptOptions{
+		// The refusal only closes: any origin may be told to come back
+		// later, and the subprotocol the client asked for is echoed so
+		// that browsers, which fail a handshake answered without one,
+		// see the close code.
+		InsecureSkipVerify: true,
+		Subprotocols:       requestedSubprotocols(r),
+	})
+	if err != nil {
+		// Accept has written an error response, or the connection is
+		// gone; either way nothing more can be sent.
+		if c := rl.logger.Check(zapcore.DebugLevel, "refusing websocket"); c != nil {
+			c.Write(zap.String("zone", rl.Zone), zap.Error(err))
+		}
+		return true
+	}
+	if err := c.Close(websocket.StatusTryAgainLater, wsCloseReason); err != nil {
+		if c := rl.logger.Check(zapcore.DebugLevel, "closing refused websocket"); c != nil {
+			c.Write(zap.String("zone", rl.Zone), zap.Error(err))
+		}
+	}
+	return true
+}
+
+// canTakeOver reports whether a handshake can be completed and closed here:
+// an HTTP/1.1 GET with a well-formed version 13 handshake over a connection
+// that can be hijacked through Caddy's ResponseWriter wrappers. Anything else
+// (HTTP/2 or HTTP/3 extended CONNECT, a malformed handshake) is refused with
+// a 429 rather than the 4xx websocket.Accept would answer.
+func canTakeOver(w http.ResponseWriter, r *http.Request) bool {
+	if r.ProtoMajor != 1 || !r.ProtoAtLeast(1, 1) || r.Method != http.MethodGet ||
+		r.Header.Get("Sec-WebSocket-Version") != "13" {
+		return false
+	}
+	keys := r.Header.Values("Sec-WebSocket-Key")
+	if len(keys) != 1 {
+		return false
+	}
+	if k, err := base64.StdEncoding.DecodeString(strings.TrimSpace(keys[0])); err != nil || len(k) != 16 {
+		return false
+	}
+	for {
+		switch rw := w.(type) {
+		case http.Hijacker:
+			return true
+		case interface{ Unwrap() http.ResponseWriter }:
+			w = rw.Unwrap()
+		default:
+			return false
+		}
+	}
+}
+
+// requestedSubprotocols lists the subprotocols the client offered in
+// Sec-WebSocket-Protocol, in its order.
+func requestedSubprotocols(r *http.Request) []string {
+	var protos []string
+	for _, v := range r.Header.Values("Sec-WebSocket-Protocol") {
+		for p := range strings.SplitSeq(v, ",") {
+			if p = strings.TrimSpace(p); p != "" {
+				protos = append(protos, p)
+			}
+		}
+	}
+	return protos
+}
