@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"net/url"
 	"slices"
@@ -228,11 +229,18 @@ func parseListQuery(v url.Values) (listQuery, error) {
 	return q, nil
 }
 
-// list returns one page of the zone's keys that match q. It copies the
-// matches one store shard at a time, so no lock is held while it sorts.
+// list returns one page of the zone's keys that match q. The store copies
+// its keys one shard at a time, so no lock is held while matches are ranked;
+// only the best offset+limit matches are kept, so a page of a large zone
+// costs one pass and little memory.
 func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error) {
 	lim := z.currentLimit()
-	var matches []KeyState
+	k := q.offset + q.limit
+	if k < q.offset { // overflow: keep everything
+		k = math.MaxInt
+	}
+	best := topKeys{k: k}
+	total := 0
 	err := z.store.Range(r.Context(), now, func(ks KeyState) bool {
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
@@ -240,21 +248,16 @@ func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error
 		if q.limitedOnly && ks.Count < lim.Max {
 			return true
 		}
-		matches = append(matches, ks)
+		total++
+		best.offer(ks)
 		return true
 	})
 	if err != nil {
 		return KeyList{}, err
 	}
-	slices.SortFunc(matches, func(a, b KeyState) int {
-		if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
-			return c
-		}
-		return strings.Compare(a.Key, b.Key)
-	})
-	page := matches[min(q.offset, len(matches)):]
-	page = page[:min(q.limit, len(page))]
-	out := KeyList{Zone: z.name, Total: len(matches), Offset: q.offset, Limit: q.limit, Keys: make([]KeyInfo, 0, len(page))}
+	ranked := best.sorted()
+	page := ranked[min(q.offset, len(ranked)):]
+	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		out.Keys = append(out.Keys, KeyInfo{
 			Key:       ks.Key,
@@ -266,6 +269,62 @@ func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error
 		})
 	}
 	return out, nil
+}
+
+// ranksBefore reports whether a is listed before b: more requests (admitted
+// and refused) first, then by key. Keys are unique, so the order is total.
+func ranksBefore(a, b KeyState) bool {
+	if ta, tb := a.Count+a.Refused, b.Count+b.Refused; ta != tb {
+		return ta > tb
+	}
+	return a.Key < b.Key
+}
+
+// topKeys keeps the k best-ranked keys offered to it. It buffers offers and,
+// each time it holds 2k, sorts and drops all but the best k; from then on an
+// offer that does not rank before the k-th best costs one comparison. So it
+// runs in O(n log k) time and O(k) memory, and a k beyond the number of keys
+// is a single sort.
+type topKeys struct {
+	k       int
+	items   []KeyState
+	cutoff  KeyState // the k-th best after the last trim
+	trimmed bool     // cutoff is set
+}
+
+// offer considers ks for the top k.
+func (t *topKeys) offer(ks KeyState) {
+	if t.k <= 0 || t.trimmed && !ranksBefore(ks, t.cutoff) {
+		return
+	}
+	t.items = append(t.items, ks)
+	if len(t.items) >= 2*t.k && len(t.items) >= 64 {
+		t.trim()
+	}
+}
+
+// trim sorts the buffer and keeps its best k.
+func (t *topKeys) trim() {
+	slices.SortFunc(t.items, compareRank)
+	if len(t.items) > t.k {
+		clear(t.items[t.k:])
+		t.items = t.items[:t.k]
+		t.cutoff, t.trimmed = t.items[t.k-1], true
+	}
+}
+
+// sorted returns the best k keys, best first.
+func (t *topKeys) sorted() []KeyState {
+	t.trim()
+	return t.items
+}
+
+// compareRank orders keys as the listing does, for slices.SortFunc.
+func compareRank(a, b KeyState) int {
+	if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
+		return c
+	}
+	return strings.Compare(a.Key, b.Key)
 }
 
 // currentLimit returns the limit of the config that last named the zone.
