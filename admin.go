@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"net/http"
 	"net/url"
 	"slices"
@@ -239,7 +240,11 @@ func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error
 	if k < q.offset { // overflow: keep everything
 		k = math.MaxInt
 	}
-	best := topKeys{k: k}
+	size := z.store.Len() + 1 // room for every match, or for 2k when k is small
+	if k < size/2 {
+		size = 2 * k
+	}
+	best := topKeys{k: k, items: make([]KeyState, 0, size)}
 	total := 0
 	err := z.store.Range(r.Context(), now, func(ks KeyState) bool {
 		if !strings.HasPrefix(ks.Key, q.prefix) {
@@ -255,8 +260,7 @@ func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error
 	if err != nil {
 		return KeyList{}, err
 	}
-	ranked := best.sorted()
-	page := ranked[min(q.offset, len(ranked)):]
+	page := best.page(q.offset, q.limit)
 	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		out.Keys = append(out.Keys, KeyInfo{
@@ -281,10 +285,10 @@ func ranksBefore(a, b KeyState) bool {
 }
 
 // topKeys keeps the k best-ranked keys offered to it. It buffers offers and,
-// each time it holds 2k, sorts and drops all but the best k; from then on an
-// offer that does not rank before the k-th best costs one comparison. So it
-// runs in O(n log k) time and O(k) memory, and a k beyond the number of keys
-// is a single sort.
+// each time it holds 2k, keeps only the best k; from then on an offer that
+// does not rank before the k-th best costs one comparison. Selection is by
+// quickselect with random pivots, so a listing costs time linear in the
+// number of keys on average, whatever the page, and O(k) memory.
 type topKeys struct {
 	k       int
 	items   []KeyState
@@ -299,24 +303,54 @@ func (t *topKeys) offer(ks KeyState) {
 	}
 	t.items = append(t.items, ks)
 	if len(t.items) >= 2*t.k && len(t.items) >= 64 {
-		t.trim()
-	}
-}
-
-// trim sorts the buffer and keeps its best k.
-func (t *topKeys) trim() {
-	slices.SortFunc(t.items, compareRank)
-	if len(t.items) > t.k {
+		selectRank(t.items, t.k-1)
 		clear(t.items[t.k:])
 		t.items = t.items[:t.k]
 		t.cutoff, t.trimmed = t.items[t.k-1], true
 	}
 }
 
-// sorted returns the best k keys, best first.
-func (t *topKeys) sorted() []KeyState {
-	t.trim()
-	return t.items
+// page returns the keys ranked offset to offset+limit-1, best first.
+func (t *topKeys) page(offset, limit int) []KeyState {
+	if offset >= len(t.items) {
+		return nil
+	}
+	if offset > 0 {
+		selectRank(t.items, offset)
+	}
+	rest := t.items[offset:]
+	if len(rest) > limit {
+		selectRank(rest, limit)
+		rest = rest[:limit]
+	}
+	slices.SortFunc(rest, compareRank)
+	return rest
+}
+
+// selectRank reorders s so that s[n] holds the key that ranks n-th (from 0),
+// with every key that ranks before it in s[:n] and every other after it.
+func selectRank(s []KeyState, n int) {
+	lo, hi := 0, len(s)-1
+	for lo < hi {
+		p := lo + rand.IntN(hi-lo+1)
+		s[p], s[hi] = s[hi], s[p]
+		pivot, i := s[hi], lo
+		for j := lo; j < hi; j++ {
+			if ranksBefore(s[j], pivot) {
+				s[i], s[j] = s[j], s[i]
+				i++
+			}
+		}
+		s[i], s[hi] = s[hi], s[i]
+		switch {
+		case n == i:
+			return
+		case n < i:
+			hi = i - 1
+		default:
+			lo = i + 1
+		}
+	}
 }
 
 // compareRank orders keys as the listing does, for slices.SortFunc.
