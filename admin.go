@@ -2,8 +2,10 @@ package ratelimit
 
 import (
 	"cmp"
+	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -167,7 +169,7 @@ func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) 
 	if z == nil {
 		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
 	}
-	list, err := z.list(r, q, time.Now())
+	list, err := z.list(r.Context(), q, time.Now())
 	if err != nil {
 		return apiError(http.StatusInternalServerError, fmt.Errorf("listing zone %q: %v", name, err))
 	}
@@ -202,8 +204,8 @@ type listQuery struct {
 // or unknown one.
 func parseListQuery(v url.Values) (listQuery, error) {
 	q := listQuery{limit: DefaultListLimit}
-	for name, vals := range v {
-		val := vals[len(vals)-1]
+	for _, name := range slices.Sorted(maps.Keys(v)) {
+		val := v.Get(name)
 		var err error
 		switch name {
 		case "limited":
@@ -234,7 +236,7 @@ func parseListQuery(v url.Values) (listQuery, error) {
 // its keys one shard at a time, so no lock is held while matches are ranked;
 // only the best offset+limit matches are kept, so a page of a large zone
 // costs one pass and little memory.
-func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error) {
+func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, error) {
 	lim := z.currentLimit()
 	k := q.offset + q.limit
 	if k < q.offset { // overflow: keep everything
@@ -246,7 +248,7 @@ func (z *zone) list(r *http.Request, q listQuery, now time.Time) (KeyList, error
 	}
 	best := topKeys{k: k, items: make([]KeyState, 0, size)}
 	total := 0
-	err := z.store.Range(r.Context(), now, func(ks KeyState) bool {
+	err := z.store.Range(ctx, now, func(ks KeyState) bool {
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
 		}

@@ -197,6 +197,17 @@ func TestAdminAPI(t *testing.T) {
 		// The other limited client stays limited.
 		resp, _ = s.get("/", "X-Forwarded-For", "203.0.113.10")
 		wantStatus(t, resp, http.StatusTooManyRequests)
+		// An IPv6 client is keyed by its /64, a key with a slash in it.
+		for i := range 4 {
+			resp, _ = s.get("/", "X-Forwarded-For", fmt.Sprintf("2001:db8::%d", i+1))
+		}
+		wantStatus(t, resp, http.StatusTooManyRequests)
+		if status, body := admin(t, http.MethodDelete, "/rate_limit/e2e-admin/2001:db8::/64"); status != http.StatusOK {
+			t.Fatalf("DELETE of an IPv6 prefix: %d %s", status, body)
+		}
+		resp, _ = s.get("/", "X-Forwarded-For", "2001:db8::99")
+		wantStatus(t, resp, http.StatusOK)
+
 		var got keyList
 		adminJSON(t, "/rate_limit/e2e-admin?q=203.0.113.1&limit=1000", &got)
 		if got.keys() != "203.0.113.10 203.0.113.1" || got.Keys[1].Count != 1 || got.Keys[1].Refused != 0 {
