@@ -48,71 +48,6 @@ const adminPrefix = "/rate_limit/"
 // AdminAPI has no configuration; its zero value is ready to use.
 type AdminAPI struct{}
 
-// ZoneInfo is one zone in the reply to GET /rate_limit/.
-type ZoneInfo struct {
-	// Name is the zone's name.
-	Name string `json:"name"`
-	// Status is "active", or "disabled" when the config naming the zone
-	// sets enabled false.
-	Status string `json:"status"`
-	// Enabled is false when the config naming the zone sets enabled false.
-	Enabled bool `json:"enabled"`
-	// Store is the kind of store that keeps the zone's counters: "memory"
-	// or "redis".
-	Store string `json:"store"`
-	// Algorithm is how windows are counted: "fixed".
-	Algorithm string `json:"algorithm"`
-	// WindowSeconds is the length of a window, in seconds.
-	WindowSeconds int64 `json:"window_seconds"`
-	// Max is the number of requests admitted per key per window.
-	Max int `json:"max"`
-	// TrackedKeys is the number of keys the store tracks now.
-	TrackedKeys int `json:"tracked_keys"`
-	// RejectedTotal is the number of requests refused since the zone was
-	// created; config reloads do not reset it.
-	RejectedTotal uint64 `json:"rejected_total"`
-	// WebSocketConnections is the number of WebSocket connections open
-	// through the zone now.
-	WebSocketConnections int64 `json:"websocket_connections"`
-	// Health is the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
-	// where the store reports one; absent otherwise.
-	Health string `json:"health,omitempty"`
-}
-
-// KeyInfo is one tracked key in the reply to GET /rate_limit/<zone>.
-type KeyInfo struct {
-	// Key is the client key: an IP address, an IPv6 prefix or the value of
-	// a custom key placeholder.
-	Key string `json:"key"`
-	// Count is the number of requests admitted in the current window.
-	Count int `json:"count"`
-	// Refused is the number of requests refused in the current window.
-	Refused int `json:"refused"`
-	// Remaining is the number of requests the key may still make in the
-	// current window.
-	Remaining int `json:"remaining"`
-	// Reset is when the current window ends, in Unix seconds.
-	Reset int64 `json:"reset"`
-	// Limited is true when the key's next request in this window would be
-	// refused.
-	Limited bool `json:"limited"`
-}
-
-// KeyList is the reply to GET /rate_limit/<zone>: one page of the zone's
-// tracked keys, most requests (admitted and refused) first, ties by key.
-type KeyList struct {
-	// Zone is the zone's name.
-	Zone string `json:"zone"`
-	// Total is the number of keys that match the query before paging.
-	Total int `json:"total"`
-	// Offset is the number of matching keys skipped.
-	Offset int `json:"offset"`
-	// Limit is the most keys the page holds.
-	Limit int `json:"limit"`
-	// Keys is the page; an empty page is [].
-	Keys []KeyInfo `json:"keys"`
-}
-
 // CaddyModule returns the Caddy module information.
 func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
@@ -190,6 +125,71 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name, key s
 		return apiError(http.StatusNotFound, fmt.Errorf("key %q is not tracked in zone %q", key, name))
 	}
 	return writeJSON(w, map[string]any{"zone": name, "key": key, "forgotten": true})
+}
+
+// ZoneInfo is one zone in the reply to GET /rate_limit/.
+type ZoneInfo struct {
+	// Name is the zone's name.
+	Name string `json:"name"`
+	// Status is "active", or "disabled" when the config naming the zone
+	// sets enabled false.
+	Status string `json:"status"`
+	// Enabled is false when the config naming the zone sets enabled false.
+	Enabled bool `json:"enabled"`
+	// Store is the kind of store that keeps the zone's counters: "memory"
+	// or "redis".
+	Store string `json:"store"`
+	// Algorithm is how windows are counted: "fixed".
+	Algorithm string `json:"algorithm"`
+	// WindowSeconds is the length of a window, in seconds.
+	WindowSeconds int64 `json:"window_seconds"`
+	// Max is the number of requests admitted per key per window.
+	Max int `json:"max"`
+	// TrackedKeys is the number of keys the store tracks now.
+	TrackedKeys int `json:"tracked_keys"`
+	// RejectedTotal is the number of requests refused since the zone was
+	// created; config reloads do not reset it.
+	RejectedTotal uint64 `json:"rejected_total"`
+	// WebSocketConnections is the number of WebSocket connections open
+	// through the zone now.
+	WebSocketConnections int64 `json:"websocket_connections"`
+	// Health is the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
+	// where the store reports one; absent otherwise.
+	Health string `json:"health,omitempty"`
+}
+
+// KeyInfo is one tracked key in the reply to GET /rate_limit/<zone>.
+type KeyInfo struct {
+	// Key is the client key: an IP address, an IPv6 prefix or the value of
+	// a custom key placeholder.
+	Key string `json:"key"`
+	// Count is the number of requests admitted in the current window.
+	Count int `json:"count"`
+	// Refused is the number of requests refused in the current window.
+	Refused int `json:"refused"`
+	// Remaining is the number of requests the key may still make in the
+	// current window.
+	Remaining int `json:"remaining"`
+	// Reset is when the current window ends, in Unix seconds.
+	Reset int64 `json:"reset"`
+	// Limited is true when the key's next request in this window would be
+	// refused.
+	Limited bool `json:"limited"`
+}
+
+// KeyList is the reply to GET /rate_limit/<zone>: one page of the zone's
+// tracked keys, most requests (admitted and refused) first, ties by key.
+type KeyList struct {
+	// Zone is the zone's name.
+	Zone string `json:"zone"`
+	// Total is the number of keys that match the query before paging.
+	Total int `json:"total"`
+	// Offset is the number of matching keys skipped.
+	Offset int `json:"offset"`
+	// Limit is the most keys the page holds.
+	Limit int `json:"limit"`
+	// Keys is the page; an empty page is [].
+	Keys []KeyInfo `json:"keys"`
 }
 
 // listQuery is a parsed key listing query.
