@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -121,6 +122,12 @@ type RateLimit struct {
 	policy   string // RateLimit-Policy value, formatted once
 	now      func() time.Time
 	logger   *zap.Logger
+
+	// events is the config's events app, nil when it has none. Emitting
+	// needs the caddy.Context the handler was provisioned with (it names
+	// the event's origin), so it is kept here, as reverse_proxy does.
+	events *caddyevents.App
+	ctx    caddy.Context
 }
 
 // CaddyModule returns the Caddy module information.
@@ -180,6 +187,15 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 	rl.zone = z.(*zone)
 	rl.zone.apply(rl)
+
+	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
+		return err
+	}
+	rl.events, err = eventsApp(ctx)
+	if err != nil {
+		return err
+	}
+	rl.ctx = ctx
 	return nil
 }
 
@@ -247,6 +263,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 				zap.Int64("reset", reset),
 			)
 		}
+		rl.emitExceeded(key, v)
 	}
 	w.Header().Set("Retry-After", strconv.FormatInt(max(ceilSeconds(int64(v.RetryAfter)), 1), 10))
 	if ws && rl.refuseWebSocket(w, r) {

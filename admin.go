@@ -1,0 +1,463 @@
+package ratelimit
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func init() {
+	caddy.RegisterModule(AdminAPI{})
+}
+
+// Paging of a zone's key listing.
+const (
+	DefaultListLimit = 100  // keys per page when the query gives no limit
+	MaxListLimit     = 1000 // the most keys one page may ask for
+)
+
+// adminPrefix is the path every endpoint of the admin API is under.
+const adminPrefix = "/rate_limit/"
+
+// AdminAPI is the admin endpoint of the rate limiter, module
+// admin.api.rate_limit. It is served by Caddy's admin endpoint only, under
+// its access controls, and reads the live zones, so it always shows the
+// counters requests are being judged against:
+//
+//	GET    /rate_limit/              every zone with its settings and totals
+//	GET    /rate_limit/<zone>        the zone's tracked keys, busiest first
+//	DELETE /rate_limit/<zone>/<key>  forget a key at once (an unblock)
+//
+// The key listing takes the query parameters limited=true (only keys over
+// their limit now), q=<prefix> (only keys starting with it), offset and limit
+// (default 100, at most 1000). Zone and key are path-escaped; a key may hold
+// a slash as it is ("2001:db8::/64").
+//
+// AdminAPI has no configuration; its zero value is ready to use.
+type AdminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.rate_limit",
+		New: func() caddy.Module { return new(AdminAPI) },
+	}
+}
+
+// Routes returns the route of the rate limiter's admin endpoints.
+func (a AdminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: adminPrefix, Handler: caddy.AdminHandlerFunc(a.serveHTTP)}}
+}
+
+// serveHTTP dispatches on the path: the zone list, one zone, or one key.
+func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
+	rest, ok := strings.CutPrefix(r.URL.EscapedPath(), adminPrefix)
+	if !ok {
+		return apiError(http.StatusNotFound, fmt.Errorf("no rate limit endpoint at %q", r.URL.Path))
+	}
+	if rest == "" {
+		if err := allowMethod(w, r, http.MethodGet); err != nil {
+			return err
+		}
+		return writeJSON(w, listZones())
+	}
+	rawZone, rawKey, hasKey := strings.Cut(rest, "/")
+	name, err := url.PathUnescape(rawZone)
+	if err != nil {
+		return apiError(http.StatusBadRequest, fmt.Errorf("invalid zone name %q in path: %v", rawZone, err))
+	}
+	if !hasKey || rawKey == "" {
+		if err := allowMethod(w, r, http.MethodGet); err != nil {
+			return err
+		}
+		return a.handleZone(w, r, name)
+	}
+	key, err := url.PathUnescape(rawKey)
+	if err != nil {
+		return apiError(http.StatusBadRequest, fmt.Errorf("invalid key %q in path: %v", rawKey, err))
+	}
+	if err := allowMethod(w, r, http.MethodDelete); err != nil {
+		return err
+	}
+	return a.handleForget(w, r, name, key)
+}
+
+// handleZone answers GET /rate_limit/<zone> with a page of the zone's keys.
+func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) error {
+	q, err := parseListQuery(r.URL.Query())
+	if err != nil {
+		return apiError(http.StatusBadRequest, err)
+	}
+	z := findZone(name)
+	if z == nil {
+		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
+	}
+	list, err := z.list(r.Context(), q, time.Now())
+	if err != nil {
+		return apiError(http.StatusInternalServerError, fmt.Errorf("listing zone %q: %v", name, err))
+	}
+	return writeJSON(w, list)
+}
+
+// handleForget answers DELETE /rate_limit/<zone>/<key> by forgetting the key.
+func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name, key string) error {
+	z := findZone(name)
+	if z == nil {
+		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
+	}
+	found, err := z.store.Forget(r.Context(), key)
+	if err != nil {
+		return apiError(http.StatusInternalServerError, fmt.Errorf("forgetting key %q in zone %q: %v", key, name, err))
+	}
+	if !found {
+		return apiError(http.StatusNotFound, fmt.Errorf("key %q is not tracked in zone %q", key, name))
+	}
+	return writeJSON(w, map[string]any{"zone": name, "key": key, "forgotten": true})
+}
+
+// ZoneInfo is one zone in the reply to GET /rate_limit/.
+type ZoneInfo struct {
+	// Name is the zone's name.
+	Name string `json:"name"`
+	// Status is "active", or "disabled" when the config naming the zone
+	// sets enabled false.
+	Status string `json:"status"`
+	// Enabled is false when the config naming the zone sets enabled false.
+	Enabled bool `json:"enabled"`
+	// Store is the kind of store that keeps the zone's counters: "memory"
+	// or "redis".
+	Store string `json:"store"`
+	// Algorithm is how windows are counted: "fixed".
+	Algorithm string `json:"algorithm"`
+	// WindowSeconds is the length of a window, in seconds.
+	WindowSeconds int64 `json:"window_seconds"`
+	// Max is the number of requests admitted per key per window.
+	Max int `json:"max"`
+	// TrackedKeys is the number of keys the store tracks now.
+	TrackedKeys int `json:"tracked_keys"`
+	// RejectedTotal is the number of requests refused since the zone was
+	// created; config reloads do not reset it.
+	RejectedTotal uint64 `json:"rejected_total"`
+	// WebSocketConnections is the number of WebSocket connections open
+	// through the zone now.
+	WebSocketConnections int64 `json:"websocket_connections"`
+	// Health is the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
+	// where the store reports one; absent otherwise.
+	Health string `json:"health,omitempty"`
+}
+
+// KeyInfo is one tracked key in the reply to GET /rate_limit/<zone>.
+type KeyInfo struct {
+	// Key is the client key: an IP address, an IPv6 prefix or the value of
+	// a custom key placeholder.
+	Key string `json:"key"`
+	// Count is the number of requests admitted in the current window.
+	Count int `json:"count"`
+	// Refused is the number of requests refused in the current window.
+	Refused int `json:"refused"`
+	// Remaining is the number of requests the key may still make in the
+	// current window.
+	Remaining int `json:"remaining"`
+	// Reset is when the current window ends, in Unix seconds.
+	Reset int64 `json:"reset"`
+	// Limited is true when the key's next request in this window would be
+	// refused.
+	Limited bool `json:"limited"`
+}
+
+// KeyList is the reply to GET /rate_limit/<zone>: one page of the zone's
+// tracked keys, most requests (admitted and refused) first, ties by key.
+type KeyList struct {
+	// Zone is the zone's name.
+	Zone string `json:"zone"`
+	// Total is the number of keys that match the query before paging.
+	Total int `json:"total"`
+	// Offset is the number of matching keys skipped.
+	Offset int `json:"offset"`
+	// Limit is the most keys the page holds.
+	Limit int `json:"limit"`
+	// Keys is the page; an empty page is [].
+	Keys []KeyInfo `json:"keys"`
+}
+
+// listQuery is a parsed key listing query.
+type listQuery struct {
+	limitedOnly bool
+	prefix      string
+	offset      int
+	limit       int
+}
+
+// parseListQuery reads the listing's query parameters, naming the first bad
+// or unknown one.
+func parseListQuery(v url.Values) (listQuery, error) {
+	q := listQuery{limit: DefaultListLimit}
+	for _, name := range slices.Sorted(maps.Keys(v)) {
+		val := v.Get(name)
+		var err error
+		switch name {
+		case "limited":
+			q.limitedOnly, err = strconv.ParseBool(val)
+			if err != nil {
+				return q, fmt.Errorf("invalid limited %q: must be true or false", val)
+			}
+		case "q":
+			q.prefix = val
+		case "offset":
+			q.offset, err = strconv.Atoi(val)
+			if err != nil || q.offset < 0 {
+				return q, fmt.Errorf("invalid offset %q: must be a whole number, at least 0", val)
+			}
+		case "limit":
+			q.limit, err = strconv.Atoi(val)
+			if err != nil || q.limit < 1 || q.limit > MaxListLimit {
+				return q, fmt.Errorf("invalid limit %q: must be a whole number from 1 to %d", val, MaxListLimit)
+			}
+		default:
+			return q, fmt.Errorf("unknown query parameter %q: want limited, q, offset or limit", name)
+		}
+	}
+	return q, nil
+}
+
+// list returns one page of the zone's keys that match q. The store copies
+// its keys one shard at a time, so no lock is held while matches are ranked;
+// only the best offset+limit matches are kept, so a page of a large zone
+// costs one pass and little memory.
+func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, error) {
+	lim := z.currentLimit()
+	k := q.offset + q.limit
+	if k < q.offset { // overflow: keep everything
+		k = math.MaxInt
+	}
+	size := z.store.Len() + 1 // room for every match, or for 2k when k is small
+	if k < size/2 {
+		size = 2 * k
+	}
+	best := topKeys{k: k, items: make([]KeyState, 0, size)}
+	total := 0
+	err := z.store.Range(ctx, now, func(ks KeyState) bool {
+		if !strings.HasPrefix(ks.Key, q.prefix) {
+			return true
+		}
+		if q.limitedOnly && ks.Count < lim.Max {
+			return true
+		}
+		total++
+		best.offer(ks)
+		return true
+	})
+	if err != nil {
+		return KeyList{}, err
+	}
+	page := best.page(q.offset, q.limit)
+	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, Keys: make([]KeyInfo, 0, len(page))}
+	for _, ks := range page {
+		out.Keys = append(out.Keys, KeyInfo{
+			Key:       ks.Key,
+			Count:     ks.Count,
+			Refused:   ks.Refused,
+			Remaining: max(lim.Max-ks.Count, 0),
+			Reset:     ceilSeconds(ks.Reset.UnixNano()),
+			Limited:   ks.Count >= lim.Max,
+		})
+	}
+	return out, nil
+}
+
+// ranksBefore reports whether a is listed before b: more requests (admitted
+// and refused) first, then by key. Keys are unique, so the order is total.
+func ranksBefore(a, b KeyState) bool {
+	if ta, tb := a.Count+a.Refused, b.Count+b.Refused; ta != tb {
+		return ta > tb
+	}
+	return a.Key < b.Key
+}
+
+// topKeys keeps the k best-ranked keys offered to it. It buffers offers and,
+// each time it holds 2k, keeps only the best k; from then on an offer that
+// does not rank before the k-th best costs one comparison. Selection is by
+// quickselect with random pivots, so a listing costs time linear in the
+// number of keys on average, whatever the page, and O(k) memory.
+type topKeys struct {
+	k       int
+	items   []KeyState
+	cutoff  KeyState // the k-th best after the last trim
+	trimmed bool     // cutoff is set
+}
+
+// offer considers ks for the top k.
+func (t *topKeys) offer(ks KeyState) {
+	if t.k <= 0 || t.trimmed && !ranksBefore(ks, t.cutoff) {
+		return
+	}
+	t.items = append(t.items, ks)
+	if len(t.items) >= 2*t.k && len(t.items) >= 64 {
+		selectRank(t.items, t.k-1)
+		clear(t.items[t.k:])
+		t.items = t.items[:t.k]
+		t.cutoff, t.trimmed = t.items[t.k-1], true
+	}
+}
+
+// page returns the keys ranked offset to offset+limit-1, best first.
+func (t *topKeys) page(offset, limit int) []KeyState {
+	if offset >= len(t.items) {
+		return nil
+	}
+	if offset > 0 {
+		selectRank(t.items, offset)
+	}
+	rest := t.items[offset:]
+	if len(rest) > limit {
+		selectRank(rest, limit)
+		rest = rest[:limit]
+	}
+	slices.SortFunc(rest, compareRank)
+	return rest
+}
+
+// selectRank reorders s so that s[n] holds the key that ranks n-th (from 0),
+// with every key that ranks before it in s[:n] and every other after it.
+func selectRank(s []KeyState, n int) {
+	lo, hi := 0, len(s)-1
+	for lo < hi {
+		p := lo + rand.IntN(hi-lo+1)
+		s[p], s[hi] = s[hi], s[p]
+		pivot, i := s[hi], lo
+		for j := lo; j < hi; j++ {
+			if ranksBefore(s[j], pivot) {
+				s[i], s[j] = s[j], s[i]
+				i++
+			}
+		}
+		s[i], s[hi] = s[hi], s[i]
+		switch {
+		case n == i:
+			return
+		case n < i:
+			hi = i - 1
+		default:
+			lo = i + 1
+		}
+	}
+}
+
+// compareRank orders keys as the listing does, for slices.SortFunc.
+func compareRank(a, b KeyState) int {
+	if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
+		return c
+	}
+	return strings.Compare(a.Key, b.Key)
+}
+
+// currentLimit returns the limit of the config that last named the zone.
+func (z *zone) currentLimit() Limit {
+	if l := z.limit.Load(); l != nil {
+		return *l
+	}
+	return Limit{Window: DefaultWindow, Max: DefaultMax}
+}
+
+// info describes the zone for the zone list.
+func (z *zone) info() ZoneInfo {
+	lim := z.currentLimit()
+	zi := ZoneInfo{
+		Name:                 z.name,
+		Status:               "active",
+		Enabled:              z.enabled.Load(),
+		Store:                z.kind(),
+		Algorithm:            "fixed",
+		WindowSeconds:        int64(lim.Window / time.Second),
+		Max:                  lim.Max,
+		TrackedKeys:          z.store.Len(),
+		RejectedTotal:        z.results[resultLimited].Load(),
+		WebSocketConnections: z.wsLive.Load(),
+		Health:               z.health(),
+	}
+	if !zi.Enabled {
+		zi.Status = "disabled"
+	}
+	if a, ok := z.store.(interface{ Algorithm() string }); ok {
+		zi.Algorithm = a.Algorithm()
+	}
+	return zi
+}
+
+// listZones describes every zone a loaded config names, sorted by name.
+func listZones() []ZoneInfo {
+	out := []ZoneInfo{}
+	for _, z := range liveZones() {
+		out = append(out, z.info())
+	}
+	slices.SortFunc(out, func(a, b ZoneInfo) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// liveZones returns every zone a loaded config names. It holds the pool's
+// lock only to copy the pointers.
+func liveZones() []*zone {
+	var out []*zone
+	zones.Range(func(_, v any) bool {
+		if z, ok := v.(*zone); ok {
+			out = append(out, z)
+		}
+		return true
+	})
+	return out
+}
+
+// findZone returns the zone called name, or nil if no loaded config names it.
+func findZone(name string) *zone {
+	var found *zone
+	zones.Range(func(k, v any) bool {
+		if k == name {
+			found, _ = v.(*zone)
+			return false
+		}
+		return true
+	})
+	return found
+}
+
+// allowMethod returns a 405 error, with the Allow header set, unless the
+// request's method is method.
+func allowMethod(w http.ResponseWriter, r *http.Request, method string) error {
+	if r.Method == method {
+		return nil
+	}
+	w.Header().Set("Allow", method)
+	return apiError(http.StatusMethodNotAllowed, fmt.Errorf("method %s not allowed: use %s", r.Method, method))
+}
+
+// apiError wraps err for Caddy's admin endpoint, which answers with a JSON
+// body {"error": "..."}.
+func apiError(status int, err error) error {
+	return caddy.APIError{HTTPStatus: status, Err: err}
+}
+
+// writeJSON answers 200 with v as JSON.
+func writeJSON(w http.ResponseWriter, v any) error {
+	body, err := json.Marshal(v)
+	if err != nil {
+		return apiError(http.StatusInternalServerError, fmt.Errorf("encoding reply: %v", err))
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_, err = w.Write(append(body, '\n'))
+	return err
+}
+
+// Interface guards
+var _ caddy.AdminRouter = (*AdminAPI)(nil)

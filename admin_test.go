@@ -1,0 +1,282 @@
+package ratelimit
+
+import (
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// adminDo sends one request to the admin API's handler and returns the
+// recorded response and the handler's error.
+func adminDo(t testing.TB, method, target string) (*httptest.ResponseRecorder, error) {
+	t.Helper()
+	routes := AdminAPI{}.Routes()
+	if len(routes) != 1 || routes[0].Pattern != "/rate_limit/" {
+		t.Fatalf("routes = %+v, want one at /rate_limit/", routes)
+	}
+	w := httptest.NewRecorder()
+	err := routes[0].Handler.ServeHTTP(w, httptest.NewRequest(method, target, nil))
+	return w, err
+}
+
+// adminGet sends a GET that must succeed and decodes its JSON body into v.
+func adminGet(t testing.TB, target string, v any) {
+	t.Helper()
+	w, err := adminDo(t, http.MethodGet, target)
+	if err != nil {
+		t.Fatalf("GET %s: %v", target, err)
+	}
+	if w.Code != http.StatusOK {
+		t.Fatalf("GET %s: status %d", target, w.Code)
+	}
+	if ct := w.Header().Get("Content-Type"); ct != "application/json" {
+		t.Errorf("GET %s: Content-Type = %q", target, ct)
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), v); err != nil {
+		t.Fatalf("GET %s: decoding %q: %v", target, w.Body.String(), err)
+	}
+}
+
+// wantAPIError fails the test unless err is a caddy.APIError with status and
+// a message containing text.
+func wantAPIError(t *testing.T, err error, status int, text string) {
+	t.Helper()
+	var aerr caddy.APIError
+	if !errors.As(err, &aerr) {
+		t.Fatalf("error = %v, want a caddy.APIError", err)
+	}
+	if aerr.HTTPStatus != status {
+		t.Errorf("status = %d, want %d (%v)", aerr.HTTPStatus, status, aerr.Err)
+	}
+	if !strings.Contains(aerr.Err.Error(), text) {
+		t.Errorf("error %q does not mention %q", aerr.Err, text)
+	}
+}
+
+func TestAdminListZones(t *testing.T) {
+	t.Parallel()
+	on, _ := provisionHandler(t, "admin-zones-on", 2, true)
+	provisionHandler(t, "admin-zones-off", 7, false)
+	for range 3 {
+		serve(t, on, "192.0.2.1")
+	}
+	serve(t, on, "192.0.2.2")
+
+	var got []ZoneInfo
+	adminGet(t, "/rate_limit/", &got)
+	byName := map[string]ZoneInfo{}
+	for _, z := range got {
+		byName[z.Name] = z
+	}
+	want := map[string]ZoneInfo{
+		"admin-zones-on": {Name: "admin-zones-on", Status: "active", Enabled: true, Store: "memory", Algorithm: "fixed",
+			WindowSeconds: 60, Max: 2, TrackedKeys: 2, RejectedTotal: 1},
+		"admin-zones-off": {Name: "admin-zones-off", Status: "disabled", Enabled: false, Store: "memory", Algorithm: "fixed",
+			WindowSeconds: 60, Max: 7},
+	}
+	for name, w := range want {
+		if g, ok := byName[name]; !ok {
+			t.Errorf("zone %q not listed in %+v", name, got)
+		} else if g != w {
+			t.Errorf("zone %q = %+v, want %+v", name, g, w)
+		}
+	}
+}
+
+// seedKeys fills a zone (max 5) with keys whose totals make the order
+// predictable: c 9 (5 admitted, 4 refused), a and b 3 each, d 1, and one
+// key in another network.
+func seedKeys(t *testing.T, zoneName string) *RateLimit {
+	rl, _ := provisionHandler(t, zoneName, 5, true)
+	hitN(t, rl, "203.0.113.10", 3) // a
+	hitN(t, rl, "203.0.113.9", 3)  // b: ties with a, sorts after it by key
+	hitN(t, rl, "203.0.113.200", 9)
+	hitN(t, rl, "203.0.113.7", 1)
+	hitN(t, rl, "198.51.100.1", 2)
+	return rl
+}
+
+func TestAdminListKeys(t *testing.T) {
+	t.Parallel()
+	seedKeys(t, "admin-keys")
+	tests := []struct {
+		query     string
+		wantTotal int
+		wantKeys  []string
+	}{
+		{"", 5, []string{"203.0.113.200", "203.0.113.10", "203.0.113.9", "198.51.100.1", "203.0.113.7"}},
+		{"?limited=true", 1, []string{"203.0.113.200"}},
+		{"?limited=false", 5, []string{"203.0.113.200", "203.0.113.10", "203.0.113.9", "198.51.100.1", "203.0.113.7"}},
+		{"?q=203.0.113.", 4, []string{"203.0.113.200", "203.0.113.10", "203.0.113.9", "203.0.113.7"}},
+		{"?q=198.", 1, []string{"198.51.100.1"}},
+		{"?q=10.", 0, []string{}},
+		{"?limit=2", 5, []string{"203.0.113.200", "203.0.113.10"}},
+		{"?offset=2&limit=2", 5, []string{"203.0.113.9", "198.51.100.1"}},
+		{"?offset=4&limit=2", 5, []string{"203.0.113.7"}},
+		{"?offset=99", 5, []string{}},
+		{"?offset=9223372036854775807&limit=1000", 5, []string{}},
+		{"?q=203.0.113.&offset=1&limit=1", 4, []string{"203.0.113.10"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.query, func(t *testing.T) {
+			var got KeyList
+			adminGet(t, "/rate_limit/admin-keys"+tt.query, &got)
+			if got.Zone != "admin-keys" || got.Total != tt.wantTotal {
+				t.Errorf("zone %q total %d, want admin-keys %d", got.Zone, got.Total, tt.wantTotal)
+			}
+			keys := []string{}
+			for _, k := range got.Keys {
+				keys = append(keys, k.Key)
+			}
+			if fmt.Sprint(keys) != fmt.Sprint(tt.wantKeys) {
+				t.Errorf("keys = %v, want %v", keys, tt.wantKeys)
+			}
+		})
+	}
+}
+
+func TestAdminKeyFields(t *testing.T) {
+	t.Parallel()
+	seedKeys(t, "admin-fields")
+	var got KeyList
+	adminGet(t, "/rate_limit/admin-fields?limit=2", &got)
+	if got.Offset != 0 || got.Limit != 2 || len(got.Keys) != 2 {
+		t.Fatalf("page = %+v, want offset 0, limit 2, two keys", got)
+	}
+	top, second := got.Keys[0], got.Keys[1]
+	if top.Key != "203.0.113.200" || top.Count != 5 || top.Refused != 4 || top.Remaining != 0 || !top.Limited {
+		t.Errorf("top = %+v, want 203.0.113.200 count 5 refused 4 remaining 0 limited", top)
+	}
+	if second.Count != 3 || second.Refused != 0 || second.Remaining != 2 || second.Limited {
+		t.Errorf("second = %+v, want count 3 refused 0 remaining 2 not limited", second)
+	}
+	if top.Reset < 1e9 {
+		t.Errorf("reset = %d, want Unix seconds", top.Reset)
+	}
+}
+
+func TestAdminEmptyListsAreArrays(t *testing.T) {
+	t.Parallel()
+	provisionHandler(t, "admin-empty", 5, true)
+	w, err := adminDo(t, http.MethodGet, "/rate_limit/admin-empty")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(w.Body.String(), `"keys":[]`) || !strings.Contains(w.Body.String(), `"total":0`) {
+		t.Errorf("body = %s, want total 0 and keys []", w.Body)
+	}
+}
+
+func TestAdminForget(t *testing.T) {
+	t.Parallel()
+	rl, _ := provisionHandler(t, "admin-forget", 1, true)
+	serve(t, rl, "192.0.2.50")
+	if got := serve(t, rl, "192.0.2.50"); got != http.StatusTooManyRequests {
+		t.Fatalf("second request: status %d, want 429", got)
+	}
+	// IPv6 keys hold a slash; it is sent as it is.
+	serve(t, rl, "2001:db8::1")
+
+	for _, key := range []string{"192.0.2.50", "2001:db8::/64"} {
+		w, err := adminDo(t, http.MethodDelete, "/rate_limit/admin-forget/"+key)
+		if err != nil || w.Code != http.StatusOK {
+			t.Fatalf("DELETE %s: status %d, error %v", key, w.Code, err)
+		}
+		_, err = adminDo(t, http.MethodDelete, "/rate_limit/admin-forget/"+key)
+		wantAPIError(t, err, http.StatusNotFound, "not tracked")
+	}
+	if got := serve(t, rl, "192.0.2.50"); got != http.StatusOK {
+		t.Errorf("after DELETE: status %d, want 200", got)
+	}
+	_, err := adminDo(t, http.MethodDelete, "/rate_limit/no-such-zone/192.0.2.50")
+	wantAPIError(t, err, http.StatusNotFound, `unknown rate limit zone "no-such-zone"`)
+}
+
+func TestAdminErrors(t *testing.T) {
+	t.Parallel()
+	provisionHandler(t, "admin-errors", 5, true)
+	tests := []struct {
+		method, target string
+		status         int
+		text           string
+	}{
+		{http.MethodGet, "/rate_limit/no-such-zone", http.StatusNotFound, `unknown rate limit zone "no-such-zone"`},
+		{http.MethodPost, "/rate_limit/", http.StatusMethodNotAllowed, "method POST not allowed"},
+		{http.MethodDelete, "/rate_limit/admin-errors", http.StatusMethodNotAllowed, "method DELETE not allowed"},
+		{http.MethodGet, "/rate_limit/admin-errors/192.0.2.1", http.StatusMethodNotAllowed, "use DELETE"},
+		{http.MethodGet, "/rate_limit/admin-errors?limit=0", http.StatusBadRequest, `invalid limit "0"`},
+		{http.MethodGet, "/rate_limit/admin-errors?limit=1001", http.StatusBadRequest, `invalid limit "1001"`},
+		{http.MethodGet, "/rate_limit/admin-errors?limit=ten", http.StatusBadRequest, `invalid limit "ten"`},
+		{http.MethodGet, "/rate_limit/admin-errors?offset=-1", http.StatusBadRequest, `invalid offset "-1"`},
+		{http.MethodGet, "/rate_limit/admin-errors?limited=yes", http.StatusBadRequest, `invalid limited "yes"`},
+		{http.MethodGet, "/rate_limit/admin-errors?limted=true", http.StatusBadRequest, `unknown query parameter "limted"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.method+" "+tt.target, func(t *testing.T) {
+			_, err := adminDo(t, tt.method, tt.target)
+			wantAPIError(t, err, tt.status, tt.text)
+		})
+	}
+}
+
+// The top-k selection returns the same page as sorting every match.
+func TestTopKeysMatchesFullSort(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(1, 2))
+	for trial := range 1000 {
+		n := rng.IntN(500)
+		all := make([]KeyState, n)
+		for i := range all {
+			all[i] = KeyState{Key: fmt.Sprintf("k%d", rng.IntN(1_000_000)*1000+i), Count: rng.IntN(5), Refused: rng.IntN(3)}
+		}
+		offset, limit := rng.IntN(n+10), 1+rng.IntN(n+10)
+		top := topKeys{k: offset + limit}
+		for _, ks := range all {
+			top.offer(ks)
+		}
+		want := slices.Clone(all)
+		slices.SortFunc(want, func(a, b KeyState) int {
+			if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
+				return c
+			}
+			return strings.Compare(a.Key, b.Key)
+		})
+		want = want[min(offset, n):]
+		want = want[:min(limit, len(want))]
+		if got := top.page(offset, limit); !slices.Equal(got, want) && len(got)+len(want) > 0 {
+			t.Fatalf("trial %d (n %d, offset %d, limit %d): got %v, want %v", trial, n, offset, limit, got, want)
+		}
+	}
+}
+
+// BenchmarkList100k lists a zone tracking 100,000 keys: the first page of
+// 1000, a page near the end, and a filtered listing.
+func BenchmarkList100k(b *testing.B) {
+	rl, _ := provisionHandler(b, "admin-bench-100k", 5, true)
+	for i := range 100_000 {
+		hitN(b, rl, fmt.Sprintf("10.%d.%d.%d", i>>16, (i>>8)&255, i&255), 1+i%7)
+	}
+	if n := rl.zone.store.Len(); n != 100_000 {
+		b.Fatalf("tracked %d keys, want 100000", n)
+	}
+	for _, query := range []string{"?limit=1000", "?offset=99000&limit=1000", "?limited=true&q=10.1.&limit=1000"} {
+		b.Run(query, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				w, err := adminDo(b, http.MethodGet, "/rate_limit/admin-bench-100k"+query)
+				if err != nil || w.Code != http.StatusOK {
+					b.Fatalf("status %d, error %v", w.Code, err)
+				}
+			}
+		})
+	}
+}

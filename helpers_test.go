@@ -1,0 +1,62 @@
+package ratelimit
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// provisionHandler provisions a handler for zone with max requests per
+// minute, as Caddy would, and cleans it up when the test ends. Each test
+// names its own zone, since zones are process-global.
+func provisionHandler(t testing.TB, zoneName string, max int, enabled bool) (*RateLimit, caddy.Context) {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	rl := &RateLimit{Zone: zoneName, Max: max, Window: caddy.Duration(time.Minute), MaxTracked: 200_000, Enabled: &enabled}
+	if err := rl.Provision(ctx); err != nil {
+		t.Fatalf("provisioning zone %q: %v", zoneName, err)
+	}
+	t.Cleanup(func() {
+		if err := rl.Cleanup(); err != nil {
+			t.Errorf("cleanup of zone %q: %v", zoneName, err)
+		}
+		cancel()
+	})
+	return rl, ctx
+}
+
+// serve sends one request from client IP ip through rl and returns the
+// response status.
+func serve(t testing.TB, rl *RateLimit, ip string) int {
+	t.Helper()
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
+	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip})
+	w := httptest.NewRecorder()
+	err := rl.ServeHTTP(w, r.WithContext(ctx), caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		w.WriteHeader(http.StatusOK)
+		return nil
+	}))
+	if herr, ok := err.(caddyhttp.HandlerError); ok {
+		return herr.StatusCode
+	}
+	if err != nil {
+		t.Fatalf("ServeHTTP: %v", err)
+	}
+	return w.Code
+}
+
+// hitN counts n requests for key directly in the zone's store.
+func hitN(t testing.TB, rl *RateLimit, key string, n int) {
+	t.Helper()
+	for range n {
+		if _, err := rl.zone.store.Hit(context.Background(), key, time.Now(), rl.limit); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,77 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metric descriptors. Their only labels are the zone and the result, never a
+// key or an IP, so the number of series stays the number of zones.
+var (
+	requestsDesc = prometheus.NewDesc("caddy_rate_limit_requests_total",
+		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, store_error).",
+		[]string{"zone", "result"}, nil)
+	trackedKeysDesc = prometheus.NewDesc("caddy_rate_limit_tracked_keys",
+		"Keys the zone's store tracks now.",
+		[]string{"zone"}, nil)
+	evictionsDesc = prometheus.NewDesc("caddy_rate_limit_evictions_total",
+		"Live keys evicted to make room for new ones because the zone tracked max_tracked keys.",
+		[]string{"zone"}, nil)
+	websocketDesc = prometheus.NewDesc("caddy_rate_limit_websocket_connections",
+		"WebSocket connections open through the zone now.",
+		[]string{"zone"}, nil)
+)
+
+// collector exports the counters of every live zone. It keeps no state of
+// its own: the counts live in the zones, which outlive config reloads, so a
+// reload neither resets a counter nor leaves a stale copy behind. Its zero
+// value is ready to use and it is safe for concurrent use.
+type collector struct{}
+
+// registerMetrics adds the rate limiter's collector to a config's metrics
+// registry. Every handler of a config calls it; the first registers and the
+// rest find it registered, which is not an error.
+func registerMetrics(reg prometheus.Registerer) error {
+	if reg == nil {
+		return nil
+	}
+	err := reg.Register(collector{})
+	if are := (prometheus.AlreadyRegisteredError{}); errors.As(err, &are) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("registering rate limit metrics: %w", err)
+	}
+	return nil
+}
+
+// Describe implements prometheus.Collector.
+func (collector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- requestsDesc
+	ch <- trackedKeysDesc
+	ch <- evictionsDesc
+	ch <- websocketDesc
+}
+
+// Collect implements prometheus.Collector: it reads each live zone's
+// counters, taking no lock that requests take.
+func (collector) Collect(ch chan<- prometheus.Metric) {
+	for _, z := range liveZones() {
+		for result, name := range resultNames {
+			ch <- prometheus.MustNewConstMetric(requestsDesc, prometheus.CounterValue,
+				float64(z.results[result].Load()), z.name, name)
+		}
+		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
+		var evictions uint64
+		if e, ok := z.store.(interface{ Evictions() uint64 }); ok {
+			evictions = e.Evictions()
+		}
+		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(evictions), z.name)
+		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)
+	}
+}
+
+// Interface guards
+var _ prometheus.Collector = collector{}
