@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -63,4 +64,26 @@ func BenchmarkMemoryStoreNewKeys(b *testing.B) {
 	for i := 0; b.Loop(); i++ {
 		s.Hit(bg, keys[i&(1<<20-1)], t0, lim)
 	}
+}
+
+// BenchmarkMemoryStoreFootprint reports the heap a full store of 100,000
+// tracked keys holds, per key (custom metric bytes/key).
+func BenchmarkMemoryStoreFootprint(b *testing.B) {
+	keys := benchKeys(100_000)
+	lim := Limit{Window: time.Hour, Max: 10}
+	var perKey float64
+	for b.Loop() {
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		s := NewMemoryStore(len(keys))
+		for _, k := range keys {
+			s.Hit(bg, k, t0, lim)
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		perKey = float64(after.HeapAlloc-before.HeapAlloc) / float64(len(keys))
+		runtime.KeepAlive(s)
+	}
+	b.ReportMetric(perKey, "bytes/key")
 }
