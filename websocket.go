@@ -1,11 +1,14 @@
 package ratelimit
 
 import (
+	"bufio"
 	"encoding/base64"
 	"fmt"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/coder/websocket"
 	"go.uber.org/zap"
@@ -31,6 +34,12 @@ const (
 
 // wsCloseReason is the reason sent with the 1013 close frame.
 const wsCloseReason = "Try Again Later"
+
+// wsRefusalGrace bounds how long a refused WebSocket holds its goroutine and
+// connection: the 1013 close frame must be written and the peer's close read
+// within it. The library's own close handshake waits up to 5 s for each, which
+// a flood of peers that never answer would turn into piles of goroutines.
+const wsRefusalGrace = time.Second
 
 // wsCapRetryAfter is the Retry-After, in seconds, of a 429 for a handshake
 // over the connection cap: a slot frees whenever one of the key's sockets
@@ -136,12 +145,13 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 // refuseWebSocket turns a WebSocket handshake away with a close 1013 Try
 // Again Later when the handler is set to, and the connection can be taken
 // over. It reports whether it did so; if not, the caller refuses with 429.
-// The quota headers already set on w go out on the 101 response.
+// The quota headers already set on w go out on the 101 response. A peer that
+// does not answer the close is dropped after wsRefusalGrace.
 func (rl *RateLimit) refuseWebSocket(w http.ResponseWriter, r *http.Request) bool {
 	if rl.WSReject == WSRejectStatus || !canTakeOver(w, r) {
 		return false
 	}
-	c, err := websocket.Accept(w, r, &websocket.AcceptOptions{
+	c, err := websocket.Accept(graceWriter{w}, r, &websocket.AcceptOptions{
 		// The refusal only closes: any origin may be told to come back
 		// later, and the subprotocol the client asked for is echoed so
 		// that browsers, which fail a handshake answered without one,
@@ -163,6 +173,29 @@ func (rl *RateLimit) refuseWebSocket(w http.ResponseWriter, r *http.Request) boo
 		}
 	}
 	return true
+}
+
+// graceWriter is the ResponseWriter a refusal hands to websocket.Accept: the
+// connection it hijacks gets a deadline wsRefusalGrace away, so that Close
+// gives up on a peer that does not answer. The deadline is set after the
+// hijack, which clears the server's deadlines; coder/websocket sets none of
+// its own on the connection.
+type graceWriter struct {
+	http.ResponseWriter
+}
+
+// Hijack takes the connection over through Caddy's ResponseWriter wrappers, as
+// websocket.Accept would, and sets its deadline.
+func (w graceWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	conn, brw, err := http.NewResponseController(w.ResponseWriter).Hijack()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := conn.SetDeadline(time.Now().Add(wsRefusalGrace)); err != nil {
+		conn.Close()
+		return nil, nil, fmt.Errorf("bounding the refused websocket: %w", err)
+	}
+	return conn, brw, nil
 }
 
 // canTakeOver reports whether a handshake can be completed and closed here:
@@ -207,3 +240,6 @@ func requestedSubprotocols(r *http.Request) []string {
 	}
 	return protos
 }
+
+// Interface guards
+var _ http.Hijacker = graceWriter{}

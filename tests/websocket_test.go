@@ -1,9 +1,12 @@
 package tests
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -355,6 +358,84 @@ func TestWebSocketLiveCountSurvivesReload(t *testing.T) {
 	wantEcho(t, c, "c")
 	b.CloseNow()
 	c.CloseNow()
+}
+
+// A refused client that never answers the close frame holds its connection
+// for about a second (the refusal's grace), not for the 5 s write plus 5 s
+// wait of the library's close handshake: a flood of refusals cannot pile up
+// goroutines and sockets. The close frame still carries 1013.
+func TestWebSocketRefusalBounded(t *testing.T) {
+	backend := startEchoBackend(t)
+	s := startCaddy(t, "", wsSite(backend, `
+		zone ws_bounded
+		window 60
+		max 2
+		ws_max_connections_per_ip 1`, ""))
+
+	a, _ := s.mustDialWS("/") // 1
+	wantEcho(t, a, "a")
+	defer a.CloseNow()
+	t.Run("over the cap", func(t *testing.T) { s.wantRefusalBounded(t) })  // 2
+	t.Run("over the rate", func(t *testing.T) { s.wantRefusalBounded(t) }) // 3
+	wantEcho(t, a, "a still up")
+}
+
+// wantRefusalBounded opens a WebSocket by hand as a peer that reads the 101
+// and the close frame but never answers it, and fails t unless the frame is
+// a 1013 close and the server drops the TCP connection within 3 s.
+func (s *server) wantRefusalBounded(t *testing.T) {
+	t.Helper()
+	conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", s.Port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	fmt.Fprintf(conn, "GET / HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"+
+		"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", s.Port)
+	br := bufio.NewReader(conn)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatalf("reading the handshake response: %v", err)
+	}
+	upgraded := time.Now()
+	if resp.StatusCode != http.StatusSwitchingProtocols {
+		t.Fatalf("status = %d, want 101", resp.StatusCode)
+	}
+
+	// An unmasked close frame (FIN, opcode 8) with a short payload: the
+	// status code, big-endian, then the reason.
+	var head [2]byte
+	if _, err := io.ReadFull(br, head[:]); err != nil {
+		t.Fatalf("reading the close frame: %v", err)
+	}
+	if head[0] != 0x88 || head[1] > 125 {
+		t.Fatalf("frame header = %#x %#x, want an unmasked close frame (0x88, length <= 125)", head[0], head[1])
+	}
+	payload := make([]byte, head[1])
+	if _, err := io.ReadFull(br, payload); err != nil {
+		t.Fatalf("reading the close payload: %v", err)
+	}
+	if want := append([]byte{0x03, 0xF5}, "Try Again Later"...); !bytes.Equal(payload, want) {
+		t.Fatalf("close payload = %q, want %q (1013 Try Again Later)", payload, want)
+	}
+
+	// Never answer; wait for the server to hang up.
+	n, err := br.Read(make([]byte, 1))
+	elapsed := time.Since(upgraded)
+	if n > 0 {
+		t.Fatalf("server sent more after the close frame")
+	}
+	if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("connection still open %s after the close frame, want it dropped within 3s", elapsed)
+	}
+	t.Logf("server dropped the silent peer %s after the 101 (%v)", elapsed.Round(time.Millisecond), err)
+	if elapsed > 3*time.Second {
+		t.Fatalf("server dropped the silent peer after %s, want within 3s", elapsed)
+	}
+	if elapsed < 500*time.Millisecond {
+		t.Fatalf("server dropped the peer after %s, before it had a chance to answer the close", elapsed)
+	}
 }
 
 // A slot comes back when the backend closes the socket and when
