@@ -120,8 +120,12 @@ type RateLimit struct {
 	headers  string
 	limitStr string // Max, formatted once
 	policy   string // RateLimit-Policy value, formatted once
-	now      func() time.Time
-	logger   *zap.Logger
+	// errLimited is the error of every refusal, built once: a flood of
+	// refused requests formats nothing. The key is in the log line and the
+	// placeholders.
+	errLimited error
+	now        func() time.Time
+	logger     *zap.Logger
 
 	// events is the config's events app, nil when it has none. Emitting
 	// needs the caddy.Context the handler was provisioned with (it names
@@ -174,6 +178,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
 	rl.headers = rl.Headers
 	rl.limitStr = strconv.Itoa(rl.Max)
+	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q: more than %d requests per %s", rl.Zone, rl.Max, rl.limit.Window)
 	rl.policy = fmt.Sprintf("%q;q=%d;w=%d", rl.Zone, rl.Max, int64(rl.limit.Window/time.Second))
 
 	if err := claimZone(ctx.Context, rl.Zone, rl.zoneSettings()); err != nil {
@@ -269,8 +274,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil
 	}
-	return caddyhttp.Error(http.StatusTooManyRequests,
-		fmt.Errorf("rate limit exceeded: key %s in zone %q is over %d requests per %s", key, rl.Zone, v.Limit, rl.limit.Window))
+	return caddyhttp.Error(http.StatusTooManyRequests, rl.errLimited)
 }
 
 // key returns the key the request is counted under, or "" if it has none.
