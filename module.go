@@ -120,6 +120,10 @@ type RateLimit struct {
 	headers  string
 	limitStr string // Max, formatted once
 	policy   string // RateLimit-Policy value, formatted once
+	// quotedZone and zoneAny are the zone name as the RateLimit header and
+	// the placeholder take it, made once.
+	quotedZone string
+	zoneAny    any
 	// errLimited is the error of every refusal, built once: a flood of
 	// refused requests formats nothing. The key is in the log line and the
 	// placeholders.
@@ -179,6 +183,8 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.headers = rl.Headers
 	rl.limitStr = strconv.Itoa(rl.Max)
 	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q: more than %d requests per %s", rl.Zone, rl.Max, rl.limit.Window)
+	rl.quotedZone = strconv.Quote(rl.Zone)
+	rl.zoneAny = rl.Zone
 	rl.policy = fmt.Sprintf("%q;q=%d;w=%d", rl.Zone, rl.Max, int64(rl.limit.Window/time.Second))
 
 	if err := claimZone(ctx.Context, rl.Zone, rl.zoneSettings()); err != nil {
@@ -242,7 +248,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	rl.setHeaders(w.Header(), v, now)
 
 	reset := ceilSeconds(v.Reset.UnixNano())
-	repl.Set("http.rate_limit.zone", rl.Zone)
+	repl.Set("http.rate_limit.zone", rl.zoneAny)
 	repl.Set("http.rate_limit.key", key)
 	repl.Set("http.rate_limit.limit", v.Limit)
 	repl.Set("http.rate_limit.remaining", v.Remaining)
@@ -298,14 +304,17 @@ func (rl *RateLimit) setHeaders(h http.Header, v Verdict, now time.Time) {
 	}
 	remaining := strconv.Itoa(v.Remaining)
 	if rl.headers == HeadersLegacy || rl.headers == HeadersBoth {
-		h.Set("X-RateLimit-Limit", rl.limitStr)
-		h.Set("X-RateLimit-Remaining", remaining)
-		h.Set("X-RateLimit-Reset", strconv.FormatInt(ceilSeconds(v.Reset.UnixNano()), 10))
+		// Canonical keys set directly: h.Set would allocate to canonicalize
+		// them on every request. They go out as X-Ratelimit-*, as h.Set
+		// would send them; header names are case-insensitive.
+		h["X-Ratelimit-Limit"] = []string{rl.limitStr}
+		h["X-Ratelimit-Remaining"] = []string{remaining}
+		h["X-Ratelimit-Reset"] = []string{strconv.FormatInt(ceilSeconds(v.Reset.UnixNano()), 10)}
 	}
 	if rl.headers == HeadersIETF || rl.headers == HeadersBoth {
 		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)
-		h.Set("RateLimit-Policy", rl.policy)
-		h.Set("RateLimit", fmt.Sprintf("%q;r=%s;t=%d", rl.Zone, remaining, left))
+		h["Ratelimit-Policy"] = []string{rl.policy}
+		h["Ratelimit"] = []string{rl.quotedZone + ";r=" + remaining + ";t=" + strconv.FormatInt(left, 10)}
 	}
 }
 
