@@ -98,6 +98,11 @@ type RateLimit struct {
 	// untouched, uncounted and without quota headers. Default: true.
 	Enabled *bool `json:"enabled,omitempty"`
 
+	// Store selects where the zone's counters live: in this process (the
+	// default) or in Redis, shared by every Caddy instance using it. See
+	// StoreConfig. Default: {"type": "memory"}.
+	Store *StoreConfig `json:"store,omitempty"`
+
 	zone     *zone
 	limit    Limit
 	byIP     bool // the key is the client IP (no custom placeholder)
@@ -144,6 +149,9 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if err := rl.check(); err != nil {
 		return err
 	}
+	if err := rl.Store.provision(); err != nil {
+		return err
+	}
 
 	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max}
 	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
@@ -154,7 +162,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if err := claimZone(ctx.Context, rl.Zone, rl.zoneSettings()); err != nil {
 		return err
 	}
-	z, _, err := zones.LoadOrNew(rl.Zone, func() (caddy.Destructor, error) {
+	z, _, err := zones.LoadOrNew(rl.poolKey(), func() (caddy.Destructor, error) {
 		return newZone(rl), nil
 	})
 	if err != nil {
@@ -178,7 +186,7 @@ func (rl *RateLimit) Cleanup() error {
 		return nil
 	}
 	rl.zone = nil
-	_, err := zones.Delete(rl.Zone)
+	_, err := zones.Delete(rl.poolKey())
 	return err
 }
 
@@ -198,6 +206,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	v, err := rl.zone.store.Hit(r.Context(), key, now, rl.limit)
 	if err != nil {
 		rl.zone.count(resultStoreError)
+		w.Header().Set("Retry-After", "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
 	}
 	rl.setHeaders(w.Header(), v, now)
@@ -209,12 +218,11 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	repl.Set("http.rate_limit.remaining", v.Remaining)
 	repl.Set("http.rate_limit.reset", reset)
 	repl.Set("http.rate_limit.exceeded", !v.Allowed)
+	rl.zone.countVerdict(v)
 	if v.Allowed {
-		rl.zone.count(resultAllowed)
 		return next.ServeHTTP(w, r)
 	}
 
-	rl.zone.count(resultLimited)
 	if v.FirstRefusal {
 		if c := rl.logger.Check(zapcore.InfoLevel, "rate limit exceeded"); c != nil {
 			c.Write(
@@ -286,6 +294,9 @@ func (rl *RateLimit) check() error {
 	if rl.GCInterval < 0 {
 		errs = append(errs, fmt.Errorf("invalid gc_interval %s: must be positive", time.Duration(rl.GCInterval)))
 	}
+	if err := rl.Store.check(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -296,8 +307,8 @@ func (rl *RateLimit) isEnabled() bool {
 
 // zoneSettings describes the settings handlers naming one zone must share.
 func (rl *RateLimit) zoneSettings() string {
-	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t",
-		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled())
+	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t store=%s",
+		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
 }
 
 // ceilSeconds converts nanoseconds to whole seconds, rounding up.
