@@ -202,6 +202,7 @@ func (sc *StoreConfig) provision() error {
 	opts.ContextTimeoutEnabled = true
 	opts.MaxRetries = -1
 	opts.DialTimeout = time.Second
+	opts.DialerRetries = 1 // a refused dial is retried by the next decision, not within this one
 	opts.ReadTimeout = time.Second
 	opts.WriteTimeout = time.Second
 	sc.opts = opts
