@@ -259,3 +259,77 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 		}
 	}
 }
+
+// Nothing connects at Provision: caddy adapt and caddy validate accept a
+// Redis store whose server is not running.
+func TestRedisValidateWithoutRedis(t *testing.T) {
+	bin, err := caddyBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join(t.TempDir(), "Caddyfile")
+	cfg := `{
+	admin off
+	auto_https off
+}
+:0 {
+	rate_limit {
+		zone redis_validate
+		store redis {
+			address 127.0.0.1:1
+			password {env.RL_TEST_UNSET_PASSWORD}
+		}
+	}
+	respond "ok"
+}`
+	if err := os.WriteFile(file, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, cmd := range []string{"adapt", "validate"} {
+		start := time.Now()
+		out, err := exec.Command(bin, cmd, "--config", file, "--adapter", "caddyfile").CombinedOutput()
+		if err != nil {
+			t.Errorf("caddy %s with no redis running: %v\n%s", cmd, err, out)
+		}
+		if d := time.Since(start); d > 10*time.Second {
+			t.Errorf("caddy %s took %s", cmd, d)
+		}
+	}
+}
+
+// A reload that changes on_error keeps the zone's counts (they are in
+// Redis and the zone is kept); the new mode applies at once.
+func TestRedisReloadKeepsCounts(t *testing.T) {
+	srv := redistest.Start(t)
+	site := func(onError string) string {
+		return fmt.Sprintf(`
+:$PORT {
+	rate_limit {
+		zone redis_reload
+		window 60
+		max 3
+		store redis {
+			address %s
+			on_error %s
+		}
+	}
+	respond "ok"
+}`, srv.Addr, onError)
+	}
+	s := startCaddy(t, "", site("allow"))
+	for i := 1; i <= 2; i++ {
+		resp, _ := s.get("/")
+		wantStatus(t, resp, http.StatusOK)
+	}
+	s.reload("", site("deny"))
+	resp, _ := s.get("/")
+	wantStatus(t, resp, http.StatusOK)
+	wantHeader(t, resp, "X-RateLimit-Remaining", "0")
+	resp, _ = s.get("/")
+	wantStatus(t, resp, http.StatusTooManyRequests)
+
+	srv.Stop()
+	resp, _ = s.get("/other-path-same-key")
+	// Still refused: the key is known to be over its limit, no round trip.
+	wantStatus(t, resp, http.StatusTooManyRequests)
+}
