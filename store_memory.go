@@ -11,8 +11,9 @@ import (
 )
 
 // MemoryStore is the in-process Store: fixed windows in a sharded hash map,
-// bounded to a maximum number of tracked keys. When a shard is full it first
-// purges expired windows, then evicts the keys it inserted first (FIFO).
+// bounded to a maximum number of tracked keys. When full it first purges
+// expired windows, then evicts the keys it inserted first (FIFO, kept per
+// shard: the oldest key of the shard that needs room goes).
 //
 // A Hit on a key already tracked is one hash, one shard lock and one map
 // lookup, and allocates nothing. The zero value is not usable; call
@@ -21,10 +22,12 @@ type MemoryStore struct {
 	seed       maphash.Seed
 	shards     []memShard
 	mask       uint64
-	shardCap   atomic.Int64 // keys per shard: max tracked / number of shards
+	maxTracked atomic.Int64
 	tracked    atomic.Int64
 	evictions  atomic.Uint64
-	purgeEvery time.Duration // least time between two full purges of a shard on insert
+	purging    atomic.Bool
+	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
+	purgeEvery time.Duration // least time between two purges made for room
 }
 
 // memEntry is one key's fixed window: 32 bytes and no pointers, so a large
@@ -44,27 +47,19 @@ type orderItem struct {
 }
 
 type memShard struct {
-	mu       sync.Mutex
-	entries  map[string]memEntry
-	order    []orderItem // insertion order; live items start at head
-	head     int
-	seq      uint64
-	purgedAt int64
-	_        [64]byte // keep neighbouring shards' locks off one cache line
+	mu      sync.Mutex
+	entries map[string]memEntry
+	order   []orderItem // insertion order; live items start at head
+	head    int
+	seq     uint64
+	_       [64]byte // keep neighbouring shards' locks off one cache line
 }
 
-// minShardKeys is the fewest keys a shard is sized for, so a small max tracked
-// still gets an even spread of keys across shards.
-const minShardKeys = 250
-
 // NewMemoryStore returns a MemoryStore that tracks at most maxTracked keys
-// (at least 1).
+// (at least 1), give or take the number of keys being inserted at the same
+// instant.
 func NewMemoryStore(maxTracked int) *MemoryStore {
-	maxTracked = max(maxTracked, 1)
-	n := 1
-	for n < 64 && (n*2)*minShardKeys <= maxTracked {
-		n *= 2
-	}
+	n := 64 // enough shards that two cores, or many, rarely wait on one lock
 	s := &MemoryStore{
 		seed:       maphash.MakeSeed(),
 		shards:     make([]memShard, n),
@@ -81,32 +76,38 @@ func NewMemoryStore(maxTracked int) *MemoryStore {
 // SetMaxTracked changes the bound on tracked keys. A lower bound is enforced
 // as new keys arrive; keys already tracked stay until then.
 func (s *MemoryStore) SetMaxTracked(maxTracked int) {
-	s.shardCap.Store(int64(max(maxTracked/len(s.shards), 1)))
+	s.maxTracked.Store(int64(max(maxTracked, 1)))
 }
 
-// MaxTracked returns the bound on tracked keys, rounded down to a multiple of
-// the number of shards.
-func (s *MemoryStore) MaxTracked() int {
-	return int(s.shardCap.Load()) * len(s.shards)
-}
+// MaxTracked returns the bound on tracked keys.
+func (s *MemoryStore) MaxTracked() int { return int(s.maxTracked.Load()) }
 
 // Evictions returns how many live keys were evicted to make room for new ones
 // since the store was created. Expired windows purged are not counted.
 func (s *MemoryStore) Evictions() uint64 { return s.evictions.Load() }
 
-func (s *MemoryStore) shard(key string) *memShard {
-	return &s.shards[maphash.String(s.seed, key)&s.mask]
+func (s *MemoryStore) shardIndex(key string) uint64 {
+	return maphash.String(s.seed, key) & s.mask
 }
 
 // Hit implements Store. It never returns an error.
 func (s *MemoryStore) Hit(_ context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	t := now.UnixNano()
-	sh := s.shard(key)
+	idx := s.shardIndex(key)
+	sh := &s.shards[idx]
 	sh.mu.Lock()
 	e, ok := sh.entries[key]
+	if !ok && s.full() {
+		// Purging scans every shard, so it runs with no lock held.
+		sh.mu.Unlock()
+		s.purgeForRoom(t)
+		sh.mu.Lock()
+		e, ok = sh.entries[key]
+	}
 	if !ok {
 		key = strings.Clone(key) // never pin the request's memory in the map
-		s.makeRoom(sh, t)
+		for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
+		}
 		sh.seq++
 		e.seq = sh.seq
 		e.reset = t + int64(limit.Window)
@@ -135,19 +136,26 @@ func (s *MemoryStore) Hit(_ context.Context, key string, now time.Time, limit Li
 	return v, nil
 }
 
-// makeRoom frees a slot in a full shard: it purges expired windows (at most
-// once per purgeEvery, since a purge scans the shard), then evicts the oldest
-// inserted keys. The caller holds sh.mu.
-func (s *MemoryStore) makeRoom(sh *memShard, t int64) {
-	limit := int(s.shardCap.Load())
-	if len(sh.entries) < limit {
+// full reports whether the store holds its maximum of keys.
+func (s *MemoryStore) full() bool {
+	return s.tracked.Load() >= s.maxTracked.Load()
+}
+
+// purgeForRoom purges expired windows from every shard, unless another
+// goroutine is at it or did it less than purgeEvery ago.
+func (s *MemoryStore) purgeForRoom(t int64) {
+	if t-s.purgedAt.Load() < int64(s.purgeEvery) || !s.purging.CompareAndSwap(false, true) {
 		return
 	}
-	if t-sh.purgedAt >= int64(s.purgeEvery) {
-		sh.purgedAt = t
-		s.tracked.Add(-int64(sh.purge(t)))
-	}
-	for len(sh.entries) >= limit && sh.head < len(sh.order) {
+	defer s.purging.Store(false)
+	s.purgedAt.Store(t)
+	s.Sweep(time.Unix(0, t))
+}
+
+// evictOldest evicts the shard's oldest inserted key and reports whether
+// there was one. The caller holds sh.mu.
+func (sh *memShard) evictOldest(s *MemoryStore) bool {
+	for sh.head < len(sh.order) {
 		it := sh.order[sh.head]
 		sh.order[sh.head] = orderItem{}
 		sh.head++
@@ -155,9 +163,30 @@ func (s *MemoryStore) makeRoom(sh *memShard, t int64) {
 			delete(sh.entries, it.key)
 			s.tracked.Add(-1)
 			s.evictions.Add(1)
+			sh.compact()
+			return true
 		}
 	}
 	sh.compact()
+	return false
+}
+
+// evictElsewhere evicts the oldest key of another shard, for a new key whose
+// own shard is empty. The caller holds shard idx's lock, so it only tries the
+// other locks: waiting on one could deadlock with a goroutine doing the same.
+func (s *MemoryStore) evictElsewhere(idx uint64) bool {
+	for j := uint64(1); j <= s.mask; j++ {
+		o := &s.shards[(idx+j)&s.mask]
+		if !o.mu.TryLock() {
+			continue
+		}
+		ok := o.evictOldest(s)
+		o.mu.Unlock()
+		if ok {
+			return true
+		}
+	}
+	return false
 }
 
 // purge deletes every expired window of the shard and returns how many it
@@ -225,7 +254,7 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 
 // Forget implements Store. It never returns an error.
 func (s *MemoryStore) Forget(_ context.Context, key string) (bool, error) {
-	sh := s.shard(key)
+	sh := &s.shards[s.shardIndex(key)]
 	sh.mu.Lock()
 	_, ok := sh.entries[key]
 	if ok {

@@ -1,0 +1,169 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddytest"
+)
+
+func TestUnmarshalCaddyfile(t *testing.T) {
+	t.Parallel()
+	off := false
+	for _, tc := range []struct {
+		name  string
+		input string
+		want  RateLimit
+	}{
+		{"empty", `rate_limit`, RateLimit{}},
+		{"empty block", `rate_limit {
+		}`, RateLimit{}},
+		{"every option", `rate_limit {
+			zone api
+			window 90s
+			max 10
+			max_tracked 5000
+			key {http.request.header.X-API-Key}
+			ipv6_prefix 56
+			headers both
+			gc_interval 30s
+			enabled false
+		}`, RateLimit{
+			Zone: "api", Window: caddy.Duration(90 * time.Second), Max: 10, MaxTracked: 5000,
+			Key: "{http.request.header.X-API-Key}", IPv6Prefix: 56, Headers: "both",
+			GCInterval: caddy.Duration(30 * time.Second), Enabled: &off,
+		}},
+		{"window as bare seconds", `rate_limit {
+			window 60
+		}`, RateLimit{Window: caddy.Duration(time.Minute)}},
+		{"window in days", `rate_limit {
+			window 1d
+		}`, RateLimit{Window: caddy.Duration(24 * time.Hour)}},
+		{"camelCase aliases", `rate_limit {
+			windowS 30
+			maxTracked 2000
+		}`, RateLimit{Window: caddy.Duration(30 * time.Second), MaxTracked: 2000}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got RateLimit
+			if err := got.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input)); err != nil {
+				t.Fatalf("UnmarshalCaddyfile: %v", err)
+			}
+			gj, _ := json.Marshal(got)
+			wj, _ := json.Marshal(tc.want)
+			if string(gj) != string(wj) {
+				t.Fatalf("got %s\nwant %s", gj, wj)
+			}
+		})
+	}
+}
+
+func TestUnmarshalCaddyfileErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		input string
+		want  string // a part of the error message
+	}{
+		{"rate_limit extra", "wrong argument count"},
+		{"rate_limit {\n max 0\n}", `invalid max "0": must be at least 1`},
+		{"rate_limit {\n max -3\n}", `invalid max "-3": must be at least 1`},
+		{"rate_limit {\n max lots\n}", `invalid max "lots": not an integer`},
+		{"rate_limit {\n max\n}", "wrong argument count"},
+		{"rate_limit {\n max 5 6\n}", `max takes one argument, got extra "6"`},
+		{"rate_limit {\n window 0\n}", `invalid window "0": must be at least 1 second`},
+		{"rate_limit {\n window -5\n}", `invalid window "-5": must be at least 1 second`},
+		{"rate_limit {\n window 500ms\n}", `invalid window "500ms": must be at least 1s`},
+		{"rate_limit {\n window soon\n}", `invalid window "soon"`},
+		{"rate_limit {\n windowS 1m\n}", `invalid windowS "1m": must be a whole number of seconds`},
+		{"rate_limit {\n max_tracked 999\n}", `invalid max_tracked "999": must be at least 1000`},
+		{"rate_limit {\n maxTracked 10\n}", `invalid maxTracked "10": must be at least 1000`},
+		{"rate_limit {\n ipv6_prefix 129\n}", `invalid ipv6_prefix "129": must be between 1 and 128`},
+		{"rate_limit {\n ipv6_prefix 0\n}", `invalid ipv6_prefix "0": must be at least 1`},
+		{"rate_limit {\n headers draft\n}", `invalid headers "draft": must be legacy, ietf, both or none`},
+		{"rate_limit {\n gc_interval -1s\n}", `invalid gc_interval "-1s": must be positive`},
+		{"rate_limit {\n enabled maybe\n}", `invalid enabled "maybe": must be true or false`},
+		{"rate_limit {\n burst 5\n}", `unrecognized rate_limit subdirective "burst"`},
+		{"rate_limit {\n zone\n}", "wrong argument count"},
+	} {
+		t.Run(tc.input, func(t *testing.T) {
+			var rl RateLimit
+			err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error = %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestValidateJSON covers the checks a JSON config gets at load, where the
+// Caddyfile parser never ran.
+func TestValidateJSON(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		json string
+		want string
+	}{
+		{`{"max": -1}`, "invalid max -1: must be at least 1"},
+		{`{"window": 60}`, "invalid window 60ns: must be at least 1s"},
+		{`{"window": "-1m"}`, "invalid window -1m0s"},
+		{`{"max_tracked": 10}`, "invalid max_tracked 10: must be at least 1000"},
+		{`{"ipv6_prefix": 200}`, "invalid ipv6_prefix 200"},
+		{`{"headers": "x"}`, `invalid headers "x"`},
+		{`{"gc_interval": "-5s"}`, "invalid gc_interval -5s"},
+	} {
+		t.Run(tc.json, func(t *testing.T) {
+			var rl RateLimit
+			if err := json.Unmarshal([]byte(tc.json), &rl); err != nil {
+				t.Fatal(err)
+			}
+			err := rl.Validate()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Validate() = %v, want an error containing %q", err, tc.want)
+			}
+		})
+	}
+	var ok RateLimit
+	if err := json.Unmarshal([]byte(`{"window": "1m", "max": 5, "max_tracked": 1000}`), &ok); err != nil {
+		t.Fatal(err)
+	}
+	if err := ok.Validate(); err != nil {
+		t.Fatalf("Validate() of a good config = %v", err)
+	}
+}
+
+// TestAdapt runs the golden files in testdata/adapt: a Caddyfile, a line of
+// ten dashes, then the JSON it must adapt to, or "ERROR <text>" for a
+// Caddyfile that must fail to adapt with an error containing <text>.
+func TestAdapt(t *testing.T) {
+	files, err := filepath.Glob("testdata/adapt/*.caddyfiletest")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no golden files: %v", err)
+	}
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			data, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			input, want, ok := strings.Cut(string(data), "\n----------\n")
+			if !ok {
+				t.Fatalf("%s: no ---------- line", f)
+			}
+			if msg, isErr := strings.CutPrefix(strings.TrimSpace(want), "ERROR "); isErr {
+				_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input), map[string]any{"filename": "Caddyfile"})
+				if err == nil || !strings.Contains(err.Error(), msg) {
+					t.Fatalf("adapt error = %v, want one containing %q", err, msg)
+				}
+				return
+			}
+			caddytest.AssertAdapt(t, input+"\n", "caddyfile", strings.TrimSpace(want))
+		})
+	}
+}

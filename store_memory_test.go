@@ -1,0 +1,283 @@
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+)
+
+var (
+	bg = context.Background()
+	t0 = time.Unix(1_800_000_000, 0)
+)
+
+// hit calls Hit and fails the test on an error (the memory store has none).
+func hit(t testing.TB, s Store, key string, now time.Time, lim Limit) Verdict {
+	t.Helper()
+	v, err := s.Hit(bg, key, now, lim)
+	if err != nil {
+		t.Fatalf("Hit(%q): %v", key, err)
+	}
+	return v
+}
+
+func TestMemoryStoreWindow(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	lim := Limit{Window: time.Minute, Max: 3}
+	reset := t0.Add(time.Minute)
+
+	for i, want := range []int{2, 1, 0} {
+		v := hit(t, s, "a", t0.Add(time.Duration(i)*time.Second), lim)
+		if !v.Allowed || v.Remaining != want || !v.Reset.Equal(reset) || v.RetryAfter != 0 || v.Limit != 3 {
+			t.Fatalf("hit %d = %+v, want allowed, remaining %d, reset %v", i+1, v, want, reset)
+		}
+	}
+	// Over the limit: refused, counted as refused once, the window not extended.
+	for i := range 3 {
+		now := t0.Add(30 * time.Second)
+		v := hit(t, s, "a", now, lim)
+		if v.Allowed || v.Remaining != 0 || !v.Reset.Equal(reset) || v.RetryAfter != 30*time.Second {
+			t.Fatalf("refused hit %d = %+v, want refused, reset %v, retry after 30s", i+1, v, reset)
+		}
+		if v.FirstRefusal != (i == 0) {
+			t.Fatalf("refused hit %d: FirstRefusal = %t", i+1, v.FirstRefusal)
+		}
+	}
+	// Another key has its own window.
+	if v := hit(t, s, "b", t0.Add(30*time.Second), lim); !v.Allowed || v.Remaining != 2 {
+		t.Fatalf("other key = %+v, want allowed with 2 remaining", v)
+	}
+	// One nanosecond before the edge: still refused. At the edge: a new window.
+	if v := hit(t, s, "a", reset.Add(-1), lim); v.Allowed || v.RetryAfter != 1 {
+		t.Fatalf("just before reset = %+v, want refused with 1ns to wait", v)
+	}
+	v := hit(t, s, "a", reset, lim)
+	if !v.Allowed || v.Remaining != 2 || !v.Reset.Equal(reset.Add(time.Minute)) {
+		t.Fatalf("at reset = %+v, want a fresh window ending %v", v, reset.Add(time.Minute))
+	}
+	if s.Len() != 2 {
+		t.Fatalf("Len = %d, want 2 (reset in place, no new entry)", s.Len())
+	}
+}
+
+// A lower max applied by a reload leaves remaining at zero, never negative; a
+// higher one admits more at once.
+func TestMemoryStoreLimitChange(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	for range 4 {
+		hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 5})
+	}
+	if v := hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 2}); v.Allowed || v.Remaining != 0 || v.Limit != 2 {
+		t.Fatalf("after lowering max = %+v, want refused with 0 remaining", v)
+	}
+	if v := hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 10}); !v.Allowed || v.Remaining != 5 {
+		t.Fatalf("after raising max = %+v, want allowed with 5 remaining", v)
+	}
+}
+
+func TestMemoryStoreFIFOEviction(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	lim := Limit{Window: time.Hour, Max: 10}
+	capacity := s.MaxTracked()
+	if capacity > 1000 || capacity < 900 {
+		t.Fatalf("MaxTracked = %d, want close to 1000 and not above", capacity)
+	}
+	// Fill well past the bound with live windows, one key per millisecond.
+	n := 5000
+	for i := range n {
+		hit(t, s, fmt.Sprint("k", i), t0.Add(time.Duration(i)*time.Millisecond), lim)
+	}
+	if s.Len() > 1000 {
+		t.Fatalf("Len = %d after %d keys, want at most 1000", s.Len(), n)
+	}
+	if got := s.Evictions(); got != uint64(n-s.Len()) {
+		t.Fatalf("Evictions = %d, want %d", got, n-s.Len())
+	}
+	// The newest keys survive and the oldest are gone: FIFO within each
+	// shard means every survivor is newer than every evicted key of its shard,
+	// and the very first keys are certainly gone.
+	live := map[string]bool{}
+	s.Range(bg, t0, func(ks KeyState) bool { live[ks.Key] = true; return true })
+	if len(live) != s.Len() {
+		t.Fatalf("Range saw %d keys, Len = %d", len(live), s.Len())
+	}
+	for i := range 100 {
+		if live[fmt.Sprint("k", i)] {
+			t.Fatalf("k%d, among the first inserted, survived", i)
+		}
+		if !live[fmt.Sprint("k", n-1-i)] {
+			t.Fatalf("k%d, among the last inserted, was evicted", n-1-i)
+		}
+	}
+}
+
+// At the bound, expired windows are purged before any live key is evicted.
+func TestMemoryStorePurgeBeforeEvict(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	capacity := s.MaxTracked()
+	short := Limit{Window: time.Second, Max: 10}
+	long := Limit{Window: time.Hour, Max: 10}
+	// Three quarters full: two thirds of it windows that will expire. Then
+	// half the bound again of new keys, which overfills every shard unless
+	// the expired windows make room.
+	for i := range capacity * 3 / 4 {
+		lim := long
+		if i < capacity/2 {
+			lim = short
+		}
+		hit(t, s, fmt.Sprint("k", i), t0, lim)
+	}
+	later := t0.Add(2 * time.Second)
+	for i := range capacity / 2 {
+		hit(t, s, fmt.Sprint("new", i), later, long)
+	}
+	if s.Evictions() != 0 {
+		t.Fatalf("Evictions = %d, want 0: expired windows should have made room", s.Evictions())
+	}
+	n := 0
+	s.Range(bg, later, func(ks KeyState) bool { n++; return true })
+	if want := capacity/2 + capacity/4; n != want {
+		t.Fatalf("live keys = %d, want %d", n, want)
+	}
+}
+
+func TestMemoryStoreSweepAndForget(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	for i := range 10 {
+		hit(t, s, fmt.Sprint("short", i), t0, Limit{Window: time.Second, Max: 1})
+		hit(t, s, fmt.Sprint("long", i), t0, Limit{Window: time.Hour, Max: 1})
+	}
+	if got := s.Sweep(t0.Add(500 * time.Millisecond)); got != 0 {
+		t.Fatalf("Sweep before expiry dropped %d", got)
+	}
+	if got := s.Sweep(t0.Add(time.Second)); got != 10 {
+		t.Fatalf("Sweep dropped %d, want 10", got)
+	}
+	if s.Len() != 10 {
+		t.Fatalf("Len = %d after sweep, want 10", s.Len())
+	}
+	hit(t, s, "long0", t0, Limit{Window: time.Hour, Max: 1}) // refused now
+	if ok, _ := s.Forget(bg, "long0"); !ok {
+		t.Fatal("Forget(long0) = false, want true")
+	}
+	if ok, _ := s.Forget(bg, "long0"); ok {
+		t.Fatal("second Forget(long0) = true, want false")
+	}
+	if v := hit(t, s, "long0", t0, Limit{Window: time.Hour, Max: 1}); !v.Allowed {
+		t.Fatalf("after Forget = %+v, want a fresh window", v)
+	}
+}
+
+func TestMemoryStoreRangeReportsRefused(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	lim := Limit{Window: time.Minute, Max: 2}
+	for range 5 {
+		hit(t, s, "x", t0, lim)
+	}
+	var got []KeyState
+	s.Range(bg, t0, func(ks KeyState) bool { got = append(got, ks); return true })
+	if len(got) != 1 || got[0].Key != "x" || got[0].Count != 2 || got[0].Refused != 3 || !got[0].Reset.Equal(t0.Add(time.Minute)) {
+		t.Fatalf("Range = %+v, want x with count 2, refused 3", got)
+	}
+	got = nil
+	s.Range(bg, t0.Add(time.Minute), func(ks KeyState) bool { got = append(got, ks); return true })
+	if len(got) != 0 {
+		t.Fatalf("Range after expiry = %+v, want none", got)
+	}
+}
+
+func TestMemoryStoreSweeperStops(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	hit(t, s, "gone", time.Now().Add(-time.Hour), Limit{Window: time.Second, Max: 1})
+	ctx, cancel := context.WithCancel(bg)
+	done := make(chan struct{})
+	go func() { s.RunSweeper(ctx, func() time.Duration { return 10 * time.Millisecond }); close(done) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Len() != 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if s.Len() != 0 {
+		t.Fatal("the sweeper did not purge an expired window")
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the sweeper did not stop when its context ended")
+	}
+}
+
+// Many goroutines on a few keys: exactly max admitted per key.
+func TestMemoryStoreConcurrentExact(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	lim := Limit{Window: time.Hour, Max: 100}
+	var mu sync.Mutex
+	admitted := map[string]int{}
+	var wg sync.WaitGroup
+	for g := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 200 {
+				key := fmt.Sprint("k", (g+i)%4)
+				if v, _ := s.Hit(bg, key, t0, lim); v.Allowed {
+					mu.Lock()
+					admitted[key]++
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	for k := range 4 {
+		if got := admitted[fmt.Sprint("k", k)]; got != 100 {
+			t.Errorf("k%d admitted %d, want exactly 100", k, got)
+		}
+	}
+}
+
+func TestClientIPKey(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		ip     string
+		prefix int
+		want   string
+	}{
+		{"203.0.113.7", 64, "203.0.113.7"},
+		{"::ffff:203.0.113.7", 64, "203.0.113.7"},
+		{"2001:db8:1:2:3:4:5:6", 64, "2001:db8:1:2::/64"},
+		{"2001:db8:1:2::9", 64, "2001:db8:1:2::/64"},
+		{"2001:db8:1:2:3:4:5:6", 48, "2001:db8:1::/48"},
+		{"2001:db8:1:2:3:4:5:6", 128, "2001:db8:1:2:3:4:5:6"},
+		{"fe80::1%eth0", 64, "fe80::/64"},
+		{"@", 64, "@"},
+	} {
+		if got := clientIPKey(tc.ip, tc.prefix); got != tc.want {
+			t.Errorf("clientIPKey(%q, %d) = %q, want %q", tc.ip, tc.prefix, got, tc.want)
+		}
+	}
+}
+
+func ExampleMemoryStore() {
+	s := NewMemoryStore(1000)
+	lim := Limit{Window: time.Minute, Max: 2}
+	now := time.Unix(1_800_000_000, 0)
+	for range 3 {
+		v, _ := s.Hit(context.Background(), "192.0.2.1", now, lim)
+		fmt.Println(v.Allowed, v.Remaining, v.RetryAfter)
+	}
+	// Output:
+	// true 1 0s
+	// true 0 0s
+	// false 0 1m0s
+}
