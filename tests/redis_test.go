@@ -83,11 +83,20 @@ func startCaddyProcess(t *testing.T, site string) string {
 // one key: exactly max requests are admitted in total, not one more.
 func TestRedisTwoInstancesOneLimit(t *testing.T) {
 	srv := redistest.Start(t)
+	testTwoInstances(t, "redis_two", []string{srv.Addr})
+}
+
+// The same admission test on a three-master Redis Cluster.
+func TestRedisClusterTwoInstancesOneLimit(t *testing.T) {
+	testTwoInstances(t, "redis_cluster_two", redistest.StartCluster(t))
+}
+
+func testTwoInstances(t *testing.T, zone string, addrs []string) {
 	const maxN, clients, perClient = 50, 64, 7 // 448 requests
 	site := fmt.Sprintf(`
 :$PORT {
 	rate_limit {
-		zone redis_two
+		zone %s
 		window 60
 		max %d
 		key {http.request.header.X-Client}
@@ -98,7 +107,7 @@ func TestRedisTwoInstancesOneLimit(t *testing.T) {
 		}
 	}
 	respond "ok"
-}`, maxN, srv.Addr)
+}`, zone, maxN, strings.Join(addrs, " "))
 	a := startCaddy(t, "", site)
 	b := startCaddyProcess(t, site)
 	bases := []string{a.Base, b}
