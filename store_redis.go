@@ -208,9 +208,9 @@ func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit L
 func (s *RedisStore) hitRedis(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
-	base := s.base(s.tag(key))
-	res, err := hitScript.Run(ctx, s.client, []string{base + "c", base + "r"},
-		limit.Max, limit.Window.Milliseconds()).Int64Slice()
+	tag := s.tag(key)
+	keys := []string{s.prefix + "{" + tag + "}:c", s.prefix + "{" + tag + "}:r"}
+	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds()).Int64Slice()
 	if err != nil {
 		return Verdict{}, err
 	}
