@@ -265,6 +265,64 @@ func TestRedisStoreOnError(t *testing.T) {
 	}
 }
 
+// A Redis that hangs rather than dies costs each decision at most the
+// timeout, then none once the store is degraded; it recovers when Redis
+// answers again.
+func TestRedisStoreHungRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	const timeout = 100 * time.Millisecond
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Timeout: timeout})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 100}
+	if _, err := s.Hit(ctx, "warm", time.Now(), lim); err != nil {
+		t.Fatal(err)
+	}
+	if !srv.Pause() {
+		t.Skipf("%s cannot be paused", srv.Kind)
+	}
+	t.Cleanup(srv.Resume)
+	var timings []time.Duration
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for c := range 16 {
+		wg.Go(func() {
+			for range 4 {
+				start := time.Now()
+				v, err := s.Hit(ctx, fmt.Sprintf("hung-%d", c), time.Now(), lim)
+				d := time.Since(start)
+				if err != nil || !v.Allowed || !v.StoreError {
+					t.Errorf("hung redis, allow: %+v, %v; want admitted with StoreError", v, err)
+				}
+				mu.Lock()
+				timings = append(timings, d)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	for _, d := range timings {
+		if d > timeout+200*time.Millisecond {
+			t.Errorf("a decision took %s against a hung redis, want at most the %s timeout (plus slack)", d, timeout)
+		}
+	}
+	if h := s.Health(); h != HealthDegraded {
+		t.Fatalf("health = %s, want DEGRADED", h)
+	}
+	start := time.Now()
+	s.Hit(ctx, "degraded", time.Now(), lim)
+	if d := time.Since(start); d > 20*time.Millisecond {
+		t.Errorf("a degraded store waited %s on redis, want no wait", d)
+	}
+	srv.Resume()
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Health() != HealthHealthy {
+		if time.Now().After(deadline) {
+			t.Fatalf("health = %s 5s after redis resumed, want HEALTHY", s.Health())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
 // Range lists live keys with their counts via SCAN; Forget resets a key;
 // with hash_keys Redis holds no client key, Range lists hashes, and Forget
 // takes either the key or its hash.

@@ -1,6 +1,7 @@
 package redistest
 
 import (
+	"os"
 	"os/exec"
 	"syscall"
 )
@@ -9,4 +10,12 @@ import (
 // binary killed mid-run leaves no redis-server behind.
 func dieWithParent(cmd *exec.Cmd) {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+}
+
+// signal freezes (SIGSTOP) or thaws (SIGCONT) a process.
+func signal(p *os.Process, stop bool) error {
+	if stop {
+		return p.Signal(syscall.SIGSTOP)
+	}
+	return p.Signal(syscall.SIGCONT)
 }

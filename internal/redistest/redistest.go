@@ -138,6 +138,7 @@ func (s *Server) Stop() {
 	if s.cmd == nil {
 		return
 	}
+	_ = signal(s.cmd.Process, false) // a paused server dies too
 	_ = s.cmd.Process.Kill()
 	// Wait until the port no longer answers, so the caller sees a dead
 	// server.
@@ -150,6 +151,23 @@ func (s *Server) Stop() {
 		time.Sleep(10 * time.Millisecond)
 	}
 	s.cmd = nil
+}
+
+// Pause freezes the server (SIGSTOP): connections stay open but nothing
+// answers, as with a hung or overloaded Redis. It reports false on
+// miniredis, which cannot be frozen.
+func (s *Server) Pause() bool {
+	if s.cmd == nil {
+		return false
+	}
+	return signal(s.cmd.Process, true) == nil
+}
+
+// Resume undoes Pause.
+func (s *Server) Resume() {
+	if s.cmd != nil {
+		_ = signal(s.cmd.Process, false)
+	}
 }
 
 // Restart starts a stopped server again on the same address, empty.
