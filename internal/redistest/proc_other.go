@@ -13,4 +13,6 @@ import (
 func dieWithParent(*exec.Cmd) {}
 
 // signal cannot freeze a process outside Linux here.
-func signal(*os.Process, bool) error { return errors.New("pausing a process is supported on linux only") }
+func signal(*os.Process, bool) error {
+	return errors.New("pausing a process is supported on linux only")
+}
