@@ -608,4 +608,9 @@ func (c *refusedCache) forgetFunc(match func(string) bool) {
 }
 
 // Interface guards
-var _ Store = (*RedisStore)(nil)
+var (
+	_ Store                          = (*RedisStore)(nil)
+	_ interface{ Health() string }   = (*RedisStore)(nil) // read by zone.health for the admin API
+	_ interface{ Healthy() bool }    = (*RedisStore)(nil) // for caddy_rate_limit_store_healthy
+	_ interface{ HashedKeys() bool } = (*RedisStore)(nil) // for the admin listing
+)
