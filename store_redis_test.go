@@ -124,6 +124,55 @@ func TestRedisStoreRefusesLocally(t *testing.T) {
 	}
 }
 
+// A flood from a key over its limit costs Redis nothing: after the first
+// refusal, every refusal is decided in-process.
+func TestRedisStoreFloodCostsNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	if srv.Kind != redistest.KindReal {
+		t.Skipf("%s keeps no command statistics", srv.Kind)
+	}
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 3}
+	if err := client.ConfigResetStat(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	refused := 0
+	for range 1000 {
+		v, err := s.Hit(ctx, "flooder", time.Now(), lim)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !v.Allowed {
+			refused++
+		}
+	}
+	if refused != 997 {
+		t.Fatalf("refused %d of 1000 with max 3, want 997", refused)
+	}
+	info, err := client.Info(ctx, "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	for _, line := range strings.Split(info, "\n") {
+		for _, cmd := range []string{"cmdstat_evalsha:", "cmdstat_eval:"} {
+			if rest, ok := strings.CutPrefix(line, cmd); ok {
+				// EVALSHA's NOSCRIPT on first use is a failed call.
+				var n, failed int
+				fmt.Sscanf(rest, "calls=%d", &n)
+				if i := strings.Index(rest, "failed_calls="); i >= 0 {
+					fmt.Sscanf(rest[i:], "failed_calls=%d", &failed)
+				}
+				calls += n - failed
+			}
+		}
+	}
+	if calls != 4 {
+		t.Errorf("redis ran the script %d times for 1000 requests with max 3, want 4 (3 admitted, 1 refused)\n%s", calls, info)
+	}
+}
+
 // Many goroutines hitting one key through several stores (as several Caddy
 // instances would) admit exactly max.
 func TestRedisStoreExactAdmission(t *testing.T) {
