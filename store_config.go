@@ -210,7 +210,7 @@ func (sc *StoreConfig) provision() error {
 	sc.hashKey = nil
 	if sc.HashKeys != "" {
 		secret := repl.ReplaceKnown(sc.HashKeys, "")
-		if secret == "" || strings.Contains(secret, "{env.") {
+		if secret == "" {
 			return fmt.Errorf("invalid hash_keys %q: the secret is empty or its placeholder is unset", sc.HashKeys)
 		}
 		sc.hashKey = []byte(secret)

@@ -59,6 +59,8 @@ const (
 	recoverAfter = 3
 	// defaultProbeEvery is how often a degraded store pings Redis.
 	defaultProbeEvery = 500 * time.Millisecond
+	// probeTimeout is the least time a probe waits for its ping.
+	probeTimeout = time.Second
 )
 
 // ErrRedisDegraded is the error a degraded RedisStore reports, without
@@ -325,7 +327,10 @@ func (s *RedisStore) probe(ctx context.Context) {
 			return
 		case <-timer.C:
 		}
-		pctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+		// A probe keeps no request waiting, so it may take longer than a
+		// decision: after a restart it must dial (and maybe handshake TLS
+		// and authenticate) before its ping.
+		pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
 		err := s.client.Ping(pctx).Err()
 		cancel()
 		switch {
