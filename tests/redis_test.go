@@ -2,6 +2,8 @@ package tests
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net"
 	"net/http"
@@ -26,10 +28,17 @@ var loadClient = &http.Client{
 }
 
 // caddyBinary builds cmd/caddy once per test run, for the tests that need a
-// second Caddy process (caddytest runs only one Caddy in-process).
+// second Caddy process (caddytest runs only one Caddy in-process). The
+// binary goes to one temporary path per checkout, overwritten by each run,
+// so that runs leave no binaries piling up.
 var caddyBinary = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "caddy-rl-bin")
+	wd, err := os.Getwd()
 	if err != nil {
+		return "", err
+	}
+	sum := sha256.Sum256([]byte(wd))
+	dir := filepath.Join(os.TempDir(), "caddy-rate-limit-tests-"+hex.EncodeToString(sum[:6]))
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", err
 	}
 	bin := filepath.Join(dir, "caddy")
