@@ -156,6 +156,9 @@ type ZoneInfo struct {
 	// Health is the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
 	// where the store reports one; absent otherwise.
 	Health string `json:"health,omitempty"`
+	// HashedKeys is true when the zone's keys are stored as HMAC-SHA256
+	// hashes (a Redis store with hash_keys).
+	HashedKeys bool `json:"hashed_keys,omitempty"`
 }
 
 // KeyInfo is one tracked key in the reply to GET /rate_limit/<zone>.
@@ -188,6 +191,10 @@ type KeyList struct {
 	Offset int `json:"offset"`
 	// Limit is the most keys the page holds.
 	Limit int `json:"limit"`
+	// HashedKeys is true when the zone's Redis store sets hash_keys: the
+	// keys listed are then HMAC-SHA256 hashes of the client keys, and
+	// DELETE takes either the hash or the client key.
+	HashedKeys bool `json:"hashed_keys,omitempty"`
 	// Keys is the page; an empty page is [].
 	Keys []KeyInfo `json:"keys"`
 }
@@ -263,7 +270,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		return KeyList{}, err
 	}
 	page := best.page(q.offset, q.limit)
-	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, Keys: make([]KeyInfo, 0, len(page))}
+	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		out.Keys = append(out.Keys, KeyInfo{
 			Key:       ks.Key,
@@ -386,6 +393,7 @@ func (z *zone) info() ZoneInfo {
 		RejectedTotal:        z.results[resultLimited].Load(),
 		WebSocketConnections: z.wsLive.Load(),
 		Health:               z.health(),
+		HashedKeys:           z.hashedKeys(),
 	}
 	if !zi.Enabled {
 		zi.Status = "disabled"
@@ -408,24 +416,28 @@ func listZones() []ZoneInfo {
 
 // liveZones returns every zone a loaded config names. It holds the pool's
 // lock only to copy the pointers.
+//
+// A reload that moves a zone to another store holds the old zone and the new
+// one under the same name for a moment; the newer one is listed.
 func liveZones() []*zone {
-	var out []*zone
+	byName := map[string]*zone{}
 	zones.Range(func(_, v any) bool {
 		if z, ok := v.(*zone); ok {
-			out = append(out, z)
+			if old := byName[z.name]; old == nil || z.seq > old.seq {
+				byName[z.name] = z
+			}
 		}
 		return true
 	})
-	return out
+	return slices.Collect(maps.Values(byName))
 }
 
 // findZone returns the zone called name, or nil if no loaded config names it.
 func findZone(name string) *zone {
 	var found *zone
-	zones.Range(func(k, v any) bool {
-		if k == name {
-			found, _ = v.(*zone)
-			return false
+	zones.Range(func(_, v any) bool {
+		if z, ok := v.(*zone); ok && z.name == name && (found == nil || z.seq > found.seq) {
+			found = z
 		}
 		return true
 	})

@@ -36,10 +36,24 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		enabled     true|false            # default true; false passes everything at no cost
 //		ws_max_connections_per_ip <n>     # default unlimited                        (alias: wsMaxConnectionsPerIp)
 //		ws_reject   close|status          # default close: 1013 Try Again Later; status: 429
+//		store memory | store redis {      # default memory
+//			address    <host:port>...     # repeat for a Cluster; or: url redis://user:pass@host:6379/0
+//			url        <redis-url>
+//			master_name <name>            # Sentinel: addresses are Sentinels watching this master
+//			username   <name>
+//			password   <password>         # e.g. {env.REDIS_PASSWORD}
+//			db         <n>                # default 0
+//			tls                           # optional
+//			key_prefix <prefix>           # default caddy_rate_limit:
+//			timeout    <duration>         # per decision; default 100ms
+//			on_error   local|allow|deny   # default local
+//			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
+//		}
 //	}
 //
-// Every option takes exactly one argument. windowS takes an integer of
-// seconds only.
+// Every option takes exactly one argument, except store, which takes a block
+// for redis, address, which takes one or more, and tls, which takes none.
+// windowS takes an integer of seconds only.
 func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 	if d.NextArg() {
@@ -47,6 +61,12 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
+		if opt == "store" {
+			if err := rl.unmarshalStore(d); err != nil {
+				return err
+			}
+			continue
+		}
 		if !d.NextArg() {
 			return d.ArgErr()
 		}
@@ -105,6 +125,93 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
+	return nil
+}
+
+// unmarshalStore parses "store memory" or "store redis { ... }"; d is at
+// the store token.
+func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	sc := &StoreConfig{Type: d.Val()}
+	if d.NextArg() {
+		return d.Errf("store takes one argument, got extra %q", d.Val())
+	}
+	switch sc.Type {
+	case StoreMemory:
+		if d.NextBlock(d.Nesting()) {
+			return d.Errf("store memory takes no block, got %q", d.Val())
+		}
+		rl.Store = nil
+		return nil
+	case StoreRedis:
+	default:
+		return d.Errf("invalid store %q: must be memory or redis", sc.Type)
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		switch opt {
+		case "address":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			sc.Addresses = append(sc.Addresses, args...)
+			continue
+		case "tls":
+			if d.NextArg() {
+				return d.Errf("tls takes no argument, got %q", d.Val())
+			}
+			sc.TLS = true
+			continue
+		}
+		if !d.NextArg() {
+			return d.ArgErr()
+		}
+		val := d.Val()
+		if d.NextArg() {
+			return d.Errf("%s takes one argument, got extra %q", opt, d.Val())
+		}
+		var err error
+		switch opt {
+		case "url":
+			sc.URL = val
+		case "master_name":
+			sc.MasterName = val
+		case "username":
+			sc.Username = val
+		case "password":
+			sc.Password = val
+		case "db":
+			sc.DB, err = parseInt(d, opt, val, 0)
+		case "key_prefix":
+			sc.KeyPrefix = val
+		case "timeout":
+			sc.Timeout, err = parseDuration(d, opt, val)
+		case "on_error":
+			switch val {
+			case OnErrorLocal, OnErrorAllow, OnErrorDeny:
+				sc.OnError = val
+			default:
+				err = d.Errf("invalid on_error %q: must be local, allow or deny", val)
+			}
+		case "hash_keys":
+			sc.HashKeys = val
+		default:
+			return d.Errf("unrecognized store redis option %q", opt)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if len(sc.Addresses) == 0 && sc.URL == "" {
+		return d.Err("store redis needs an address or a url")
+	}
+	if len(sc.Addresses) > 0 && sc.URL != "" {
+		return d.Errf("store redis takes an address or a url, not both: got url %q and address %q", sc.URL, sc.Addresses[0])
+	}
+	rl.Store = sc
 	return nil
 }
 

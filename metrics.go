@@ -19,6 +19,9 @@ var (
 	evictionsDesc = prometheus.NewDesc("caddy_rate_limit_evictions_total",
 		"Live keys evicted to make room for new ones because the zone tracked max_tracked keys.",
 		[]string{"zone"}, nil)
+	storeHealthyDesc = prometheus.NewDesc("caddy_rate_limit_store_healthy",
+		"1 when the zone's shared store (Redis) is HEALTHY, 0 when DEGRADED or RECOVERING. Absent for in-process zones.",
+		[]string{"zone"}, nil)
 	websocketDesc = prometheus.NewDesc("caddy_rate_limit_websocket_connections",
 		"WebSocket connections open through the zone now.",
 		[]string{"zone"}, nil)
@@ -53,6 +56,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- trackedKeysDesc
 	ch <- evictionsDesc
 	ch <- websocketDesc
+	ch <- storeHealthyDesc
 }
 
 // Collect implements prometheus.Collector: it reads each live zone's
@@ -70,6 +74,13 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(evictions), z.name)
 		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)
+		if z.redis != nil {
+			healthy := 0.0
+			if z.redis.Healthy() {
+				healthy = 1
+			}
+			ch <- prometheus.MustNewConstMetric(storeHealthyDesc, prometheus.GaugeValue, healthy, z.name)
+		}
 	}
 }
 

@@ -114,6 +114,11 @@ type RateLimit struct {
 	// Default: "close".
 	WSReject string `json:"ws_reject,omitempty"`
 
+	// Store selects where the zone's counters live: in this process (the
+	// default) or in Redis, shared by every Caddy instance using it. See
+	// StoreConfig. Default: {"type": "memory"}.
+	Store *StoreConfig `json:"store,omitempty"`
+
 	zone     *zone
 	limit    Limit
 	byIP     bool // the key is the client IP (no custom placeholder)
@@ -177,6 +182,9 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if err := rl.check(); err != nil {
 		return err
 	}
+	if err := rl.Store.provision(); err != nil {
+		return err
+	}
 
 	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max}
 	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
@@ -190,7 +198,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if err := claimZone(ctx.Context, rl.Zone, rl.zoneSettings()); err != nil {
 		return err
 	}
-	z, _, err := zones.LoadOrNew(rl.Zone, func() (caddy.Destructor, error) {
+	z, _, err := zones.LoadOrNew(rl.poolKey(), func() (caddy.Destructor, error) {
 		return newZone(rl), nil
 	})
 	if err != nil {
@@ -223,7 +231,7 @@ func (rl *RateLimit) Cleanup() error {
 		return nil
 	}
 	rl.zone = nil
-	_, err := zones.Delete(rl.Zone)
+	_, err := zones.Delete(rl.poolKey())
 	return err
 }
 
@@ -243,6 +251,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	v, err := rl.zone.store.Hit(r.Context(), key, now, rl.limit)
 	if err != nil {
 		rl.zone.count(resultStoreError)
+		w.Header().Set("Retry-After", "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
 	}
 	rl.setHeaders(w.Header(), v, now)
@@ -255,15 +264,14 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	repl.Set("http.rate_limit.reset", reset)
 	repl.Set("http.rate_limit.exceeded", !v.Allowed)
 	ws := isWebSocket(r)
+	if v.Allowed && ws {
+		return rl.serveWebSocket(w, r, next, rl.zone, key, v)
+	}
+	rl.zone.countVerdict(v)
 	if v.Allowed {
-		if ws {
-			return rl.serveWebSocket(w, r, next, rl.zone, key)
-		}
-		rl.zone.count(resultAllowed)
 		return next.ServeHTTP(w, r)
 	}
 
-	rl.zone.count(resultLimited)
 	if v.FirstRefusal {
 		if c := rl.logger.Check(zapcore.InfoLevel, "rate limit exceeded"); c != nil {
 			c.Write(
@@ -349,6 +357,9 @@ func (rl *RateLimit) check() error {
 	default:
 		errs = append(errs, fmt.Errorf("invalid ws_reject %q: must be close or status", rl.WSReject))
 	}
+	if err := rl.Store.check(); err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -359,8 +370,8 @@ func (rl *RateLimit) isEnabled() bool {
 
 // zoneSettings describes the settings handlers naming one zone must share.
 func (rl *RateLimit) zoneSettings() string {
-	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t",
-		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled())
+	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t store=%s",
+		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
 }
 
 // ceilSeconds converts nanoseconds to whole seconds, rounding up.

@@ -36,6 +36,10 @@ type Verdict struct {
 	// so the handler logs and reports a key going over its limit once, not once
 	// per refused request.
 	FirstRefusal bool
+	// StoreError is true when the shared store failed and the verdict was
+	// reached without it, as the store's on_error setting says (admitted
+	// anyway, or decided by an in-process fallback store).
+	StoreError bool
 }
 
 // KeyState is one tracked key as the admin API lists it.

@@ -114,7 +114,7 @@ func (z *zone) wsOpen(key string) int {
 // the key's connection slots for as long as next serves the socket (for
 // reverse_proxy, until the tunnel ends however it ends), or refuses it when
 // the key already has WSMaxConnectionsPerIP sockets open.
-func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, z *zone, key string) error {
+func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, z *zone, key string, v Verdict) error {
 	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
 	if !ok {
 		z.count(resultLimited)
@@ -138,7 +138,7 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 			fmt.Errorf("websocket connection limit reached: key %s in zone %q has %d open", key, rl.Zone, rl.WSMaxConnectionsPerIP))
 	}
 	defer release()
-	z.count(resultAllowed)
+	z.countVerdict(v)
 	return next.ServeHTTP(w, r)
 }
 

@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -19,12 +21,18 @@ var zones = caddy.NewUsagePool()
 // zone is the state that handlers naming one zone share.
 type zone struct {
 	name  string
+	seq   uint64 // order of creation: the newer of two zones of one name wins
 	store Store
 
 	// mem is the store when it is the in-process one, for the settings
 	// only it has (max tracked, the sweep interval); nil otherwise.
 	mem        *MemoryStore
 	gcInterval atomic.Int64
+
+	// redis is the store when it is the Redis one, nil otherwise;
+	// redisConn names its client in redisClients.
+	redis     *RedisStore
+	redisConn string
 
 	// Settings of the most recently provisioned config naming the zone,
 	// for the admin API.
@@ -76,13 +84,37 @@ func (z *zone) health() string {
 	return ""
 }
 
+// zoneSeq numbers zones in the order they are created.
+var zoneSeq atomic.Uint64
+
+// hashedKeys reports whether the zone's store keeps HMAC hashes of the keys
+// rather than the keys (a Redis store with hash_keys).
+func (z *zone) hashedKeys() bool {
+	return z.redis != nil && z.redis.HashedKeys()
+}
+
 // newZone builds a zone for the handler's settings and starts its sweeper.
 func newZone(rl *RateLimit) *zone {
 	ctx, cancel := context.WithCancel(context.Background())
+	z := &zone{name: rl.Zone, seq: zoneSeq.Add(1), cancel: cancel}
+	interval := func() time.Duration { return time.Duration(z.gcInterval.Load()) }
+	if sc := rl.Store; sc.isRedis() {
+		rs := NewRedisStore(RedisStoreOptions{
+			Client:     loadRedisClient(sc),
+			Prefix:     sc.KeyPrefix + rl.Zone + ":",
+			HashKey:    sc.hashKey,
+			MaxTracked: rl.MaxTracked,
+			Logger:     rl.logger.With(zap.String("zone", rl.Zone)),
+		})
+		z.store, z.redis, z.redisConn = rs, rs, sc.connKey
+		z.apply(rl)
+		go rs.Run(ctx, interval)
+		return z
+	}
 	mem := NewMemoryStore(rl.MaxTracked)
-	z := &zone{name: rl.Zone, store: mem, mem: mem, cancel: cancel}
+	z.store, z.mem = mem, mem
 	z.apply(rl)
-	go mem.RunSweeper(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
+	go mem.RunSweeper(ctx, interval)
 	return z
 }
 
@@ -96,13 +128,46 @@ func (z *zone) apply(rl *RateLimit) {
 	if z.mem != nil {
 		z.mem.SetMaxTracked(rl.MaxTracked)
 	}
+	if z.redis != nil {
+		z.redis.SetMaxTracked(rl.MaxTracked)
+		z.redis.SetTimeout(time.Duration(rl.Store.Timeout))
+		z.redis.SetOnError(rl.Store.OnError)
+	}
 }
 
 // Destruct stops the zone's background work when the last handler naming it
 // is cleaned up.
 func (z *zone) Destruct() error {
 	z.cancel()
+	if z.redis != nil {
+		return releaseRedisClient(z.redisConn)
+	}
 	return nil
+}
+
+// countVerdict records a decision the store reached: allowed or limited,
+// or store_error when the shared store failed and its on_error setting
+// decided.
+func (z *zone) countVerdict(v Verdict) {
+	switch {
+	case v.StoreError:
+		z.count(resultStoreError)
+	case v.Allowed:
+		z.count(resultAllowed)
+	default:
+		z.count(resultLimited)
+	}
+}
+
+// poolKey is the zone's key in zones: its name, and for a Redis zone what
+// identifies its counters (connection, key prefix, key hashing), so that a
+// reload pointing the zone at another store builds a new zone instead of
+// keeping the old store.
+func (rl *RateLimit) poolKey() string {
+	if rl.Store.isRedis() {
+		return rl.Zone + "\x00" + rl.Store.identity
+	}
+	return rl.Zone
 }
 
 // loadZones records, for each config being loaded, the settings every zone

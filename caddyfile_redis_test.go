@@ -1,0 +1,134 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// The store subdirective parses to the store JSON, and every mistake is an
+// error naming the option and its value.
+func TestUnmarshalCaddyfileStore(t *testing.T) {
+	for _, tc := range []struct {
+		name, input string
+		want        string // the handler's JSON
+		wantErr     string
+	}{
+		{
+			name:  "memory",
+			input: "rate_limit {\n store memory\n}",
+			want:  `{}`,
+		},
+		{
+			name: "redis, every option",
+			input: `rate_limit {
+				zone api
+				store redis {
+					address 10.0.0.1:6379 10.0.0.2:6379
+					address 10.0.0.3:6379
+					master_name mymaster
+					username rl
+					password {env.REDIS_PASSWORD}
+					db 2
+					tls
+					key_prefix rl:
+					timeout 250ms
+					on_error deny
+					hash_keys {env.RL_SECRET}
+				}
+			}`,
+			want: `{"zone":"api","store":{"type":"redis","addresses":["10.0.0.1:6379","10.0.0.2:6379","10.0.0.3:6379"],` +
+				`"master_name":"mymaster","username":"rl","password":"{env.REDIS_PASSWORD}","db":2,"tls":true,` +
+				`"key_prefix":"rl:","timeout":250000000,"on_error":"deny","hash_keys":"{env.RL_SECRET}"}}`,
+		},
+		{
+			name:  "redis url",
+			input: "rate_limit {\n store redis {\n url redis://u:p@h:6379/1\n }\n}",
+			want:  `{"store":{"type":"redis","url":"redis://u:p@h:6379/1"}}`,
+		},
+		{name: "no store type", input: "rate_limit {\n store\n}", wantErr: "wrong argument count"},
+		{name: "unknown store", input: "rate_limit {\n store disk\n}", wantErr: `invalid store "disk"`},
+		{name: "memory with a block", input: "rate_limit {\n store memory {\n address x:1\n }\n}", wantErr: "store memory takes no block"},
+		{name: "redis without address", input: "rate_limit {\n store redis {\n db 1\n }\n}", wantErr: "needs an address or a url"},
+		{name: "address and url", input: "rate_limit {\n store redis {\n address a:1\n url redis://b:2\n }\n}", wantErr: "not both"},
+		{name: "bad on_error", input: "rate_limit {\n store redis {\n address a:1\n on_error maybe\n }\n}", wantErr: `invalid on_error "maybe"`},
+		{name: "bad timeout", input: "rate_limit {\n store redis {\n address a:1\n timeout soon\n }\n}", wantErr: `invalid timeout "soon"`},
+		{name: "zero timeout", input: "rate_limit {\n store redis {\n address a:1\n timeout 0s\n }\n}", wantErr: `invalid timeout "0s"`},
+		{name: "bad db", input: "rate_limit {\n store redis {\n address a:1\n db -1\n }\n}", wantErr: `invalid db "-1"`},
+		{name: "tls with a value", input: "rate_limit {\n store redis {\n address a:1\n tls yes\n }\n}", wantErr: `tls takes no argument, got "yes"`},
+		{name: "extra argument", input: "rate_limit {\n store redis {\n address a:1\n username a b\n }\n}", wantErr: `username takes one argument, got extra "b"`},
+		{name: "unknown option", input: "rate_limit {\n store redis {\n address a:1\n pool_size 9\n }\n}", wantErr: `unrecognized store redis option "pool_size"`},
+		{name: "address without value", input: "rate_limit {\n store redis {\n address\n }\n}", wantErr: "wrong argument count"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rl := new(RateLimit)
+			err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, _ := json.Marshal(rl)
+			if string(got) != tc.want {
+				t.Errorf("JSON =\n%s\nwant\n%s", got, tc.want)
+			}
+		})
+	}
+}
+
+// provision replaces placeholders, fills in defaults, rejects what only
+// shows once placeholders are replaced, and keeps secrets out of the names
+// it builds.
+func TestStoreConfigProvision(t *testing.T) {
+	t.Setenv("RL_TEST_REDIS_PASSWORD", "hunter2")
+	t.Setenv("RL_TEST_SECRET", "k")
+	sc := &StoreConfig{Type: StoreRedis, Addresses: []string{"127.0.0.1:6390"}, Password: "{env.RL_TEST_REDIS_PASSWORD}", HashKeys: "{env.RL_TEST_SECRET}"}
+	if err := sc.provision(); err != nil {
+		t.Fatal(err)
+	}
+	if sc.opts.Password != "hunter2" || string(sc.hashKey) != "k" {
+		t.Errorf("placeholders not replaced: password %q, hash key %q", sc.opts.Password, sc.hashKey)
+	}
+	if sc.KeyPrefix != DefaultRedisKeyPrefix || time.Duration(sc.Timeout) != DefaultRedisTimeout || sc.OnError != OnErrorLocal {
+		t.Errorf("defaults: prefix %q, timeout %s, on_error %q", sc.KeyPrefix, time.Duration(sc.Timeout), sc.OnError)
+	}
+	if sc.Password != "{env.RL_TEST_REDIS_PASSWORD}" {
+		t.Errorf("the config now holds the secret: %q", sc.Password)
+	}
+	for _, s := range []string{sc.connKey, sc.identity, sc.describe()} {
+		if strings.Contains(s, "hunter2") {
+			t.Errorf("a name holds the password: %s", s)
+		}
+	}
+
+	u := &StoreConfig{Type: StoreRedis, URL: "rediss://bob:pw@redis.example:6380/3"}
+	if err := u.provision(); err != nil {
+		t.Fatal(err)
+	}
+	if u.opts.Addrs[0] != "redis.example:6380" || u.opts.Username != "bob" || u.opts.Password != "pw" || u.opts.DB != 3 || u.opts.TLSConfig == nil {
+		t.Errorf("url not applied: %+v", u.opts)
+	}
+
+	for _, tc := range []struct {
+		sc      StoreConfig
+		wantErr string
+	}{
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, HashKeys: "{env.RL_TEST_UNSET_SECRET}"}, "invalid hash_keys"},
+		{StoreConfig{Type: StoreRedis, URL: "http://x"}, `invalid redis url "http://x"`},
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1", "b:1"}, DB: 1}, "invalid db 1"},
+		{StoreConfig{Type: "disk"}, `invalid store type "disk"`},
+		{StoreConfig{Addresses: []string{"a:1"}}, "store \"memory\" takes no options"},
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, OnError: "maybe"}, `invalid on_error "maybe"`},
+	} {
+		if err := tc.sc.provision(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			t.Errorf("%+v: error %v, want one containing %q", tc.sc, err, tc.wantErr)
+		}
+	}
+}

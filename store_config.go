@@ -1,0 +1,271 @@
+package ratelimit
+
+import (
+	"crypto/sha256"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// Store types.
+const (
+	StoreMemory = "memory" // the in-process store (the default)
+	StoreRedis  = "redis"  // counters in Redis, shared by every Caddy instance using it
+)
+
+// Defaults of the Redis store options left unset.
+const (
+	DefaultRedisKeyPrefix = "caddy_rate_limit:"
+	DefaultRedisTimeout   = 100 * time.Millisecond
+)
+
+// redisClients holds the Redis clients, one per distinct connection config.
+// It is a package-level UsagePool because a client (its connection pool) is
+// shared by every zone that connects to the same Redis and must outlive a
+// config reload; the last zone to let go of it closes it.
+var redisClients = caddy.NewUsagePool()
+
+// StoreConfig selects the store that keeps a zone's counters and configures
+// it. In JSON: {"type": "redis", "addresses": ["127.0.0.1:6379"], ...}.
+type StoreConfig struct {
+	// Type is "memory" (the in-process store, bounded by max_tracked) or
+	// "redis" (counters in Redis, shared by every Caddy instance using it,
+	// so several instances behind a load balancer enforce one limit).
+	// Default: "memory".
+	Type string `json:"type,omitempty"`
+
+	// Addresses are the Redis servers as host:port. One address is a
+	// single server; several are the seed nodes of a Redis Cluster (or, with
+	// master_name, Sentinels). Placeholders such as {env.REDIS_ADDR} are
+	// replaced when the config loads. Either addresses or url is required.
+	Addresses []string `json:"addresses,omitempty"`
+
+	// URL is a single server as a URL:
+	// redis://[user[:password]@]host[:port][/db] (rediss:// for TLS). It
+	// replaces addresses, username, password, db and tls.
+	URL string `json:"url,omitempty"`
+
+	// MasterName is the name of the master the Sentinels at addresses
+	// watch; set it to use Redis Sentinel. Default: none.
+	MasterName string `json:"master_name,omitempty"`
+
+	// Username authenticates with Redis ACLs. Default: none.
+	Username string `json:"username,omitempty"`
+
+	// Password authenticates with Redis; write a placeholder such as
+	// {env.REDIS_PASSWORD} to keep it out of the config. Default: none.
+	Password string `json:"password,omitempty"`
+
+	// DB is the database number (single server and Sentinel only; a
+	// Cluster has only database 0). Default: 0.
+	DB int `json:"db,omitempty"`
+
+	// TLS connects to Redis over TLS, verifying its certificate against
+	// the system roots. Default: false.
+	TLS bool `json:"tls,omitempty"`
+
+	// KeyPrefix starts every key the store writes, followed by the zone
+	// name, so several zones and applications can share one Redis.
+	// Default: "caddy_rate_limit:".
+	KeyPrefix string `json:"key_prefix,omitempty"`
+
+	// Timeout bounds the Redis round trip of one decision; past it the
+	// decision is made as on_error says. Default: 100ms.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// OnError says what happens to a request when Redis fails or times
+	// out: "local" keeps limiting with a per-process memory store until
+	// Redis is back (a client may then get max per instance); "allow" admits
+	// the request (fail open); "deny" refuses it with 503 and Retry-After
+	// (fail closed, for login and costly routes). Default: "local".
+	OnError string `json:"on_error,omitempty"`
+
+	// HashKeys, when set, is a secret: keys are written to Redis as
+	// HMAC-SHA256(secret, key) in hex, so Redis holds no IP address or API
+	// key, and the admin listing shows hashes. Write a placeholder such as
+	// {env.RL_SECRET}. Changing it starts every key afresh. Default: none.
+	HashKeys string `json:"hash_keys,omitempty"`
+
+	// Set by provision: the options with placeholders replaced.
+	opts     *redis.UniversalOptions
+	hashKey  []byte
+	connKey  string // identifies the connection config, for the client pool
+	identity string // identifies the zone's counters: connection, prefix, hashing
+}
+
+// isRedis reports whether the config selects the Redis store.
+func (sc *StoreConfig) isRedis() bool { return sc != nil && sc.Type == StoreRedis }
+
+// check reports every invalid setting, naming the option and its value. It
+// reads the options as written, placeholders unreplaced.
+func (sc *StoreConfig) check() error {
+	if sc == nil {
+		return nil
+	}
+	var errs []error
+	switch sc.Type {
+	case "", StoreMemory:
+		if sc.hasRedisOptions() {
+			errs = append(errs, fmt.Errorf("store %q takes no options; redis options need store type %q", StoreMemory, StoreRedis))
+		}
+		return errors.Join(errs...)
+	case StoreRedis:
+	default:
+		return fmt.Errorf("invalid store type %q: must be %s or %s", sc.Type, StoreMemory, StoreRedis)
+	}
+	if len(sc.Addresses) == 0 && sc.URL == "" {
+		errs = append(errs, errors.New("redis store needs an address or a url"))
+	}
+	if len(sc.Addresses) > 0 && sc.URL != "" {
+		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got url %q and address %q", sc.URL, sc.Addresses[0]))
+	}
+	for _, a := range sc.Addresses {
+		if a == "" {
+			errs = append(errs, errors.New("invalid redis address \"\": must be host:port"))
+		}
+	}
+	if sc.DB < 0 {
+		errs = append(errs, fmt.Errorf("invalid db %d: must be 0 or more", sc.DB))
+	}
+	if sc.Timeout < 0 {
+		errs = append(errs, fmt.Errorf("invalid timeout %s: must be positive", time.Duration(sc.Timeout)))
+	}
+	switch sc.OnError {
+	case "", OnErrorLocal, OnErrorAllow, OnErrorDeny:
+	default:
+		errs = append(errs, fmt.Errorf("invalid on_error %q: must be local, allow or deny", sc.OnError))
+	}
+	return errors.Join(errs...)
+}
+
+// hasRedisOptions reports whether any Redis option is set.
+func (sc *StoreConfig) hasRedisOptions() bool {
+	return len(sc.Addresses) > 0 || sc.URL != "" || sc.MasterName != "" || sc.Username != "" ||
+		sc.Password != "" || sc.DB != 0 || sc.TLS || sc.KeyPrefix != "" || sc.Timeout != 0 ||
+		sc.OnError != "" || sc.HashKeys != ""
+}
+
+// provision fills in defaults, replaces placeholders and builds the client
+// options. It connects to nothing.
+func (sc *StoreConfig) provision() error {
+	if err := sc.check(); err != nil {
+		return err
+	}
+	if !sc.isRedis() {
+		return nil
+	}
+	if sc.KeyPrefix == "" {
+		sc.KeyPrefix = DefaultRedisKeyPrefix
+	}
+	if sc.Timeout == 0 {
+		sc.Timeout = caddy.Duration(DefaultRedisTimeout)
+	}
+	if sc.OnError == "" {
+		sc.OnError = OnErrorLocal
+	}
+
+	repl := caddy.NewReplacer()
+	opts := &redis.UniversalOptions{
+		Username:   repl.ReplaceKnown(sc.Username, ""),
+		Password:   repl.ReplaceKnown(sc.Password, ""),
+		DB:         sc.DB,
+		MasterName: repl.ReplaceKnown(sc.MasterName, ""),
+	}
+	for _, a := range sc.Addresses {
+		opts.Addrs = append(opts.Addrs, repl.ReplaceKnown(a, ""))
+	}
+	if sc.TLS {
+		opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	if sc.URL != "" {
+		u := repl.ReplaceKnown(sc.URL, "")
+		o, err := redis.ParseURL(u)
+		if err != nil {
+			return fmt.Errorf("invalid redis url %q: %v", sc.URL, err)
+		}
+		opts.Addrs = []string{o.Addr}
+		opts.Username, opts.Password, opts.DB, opts.TLSConfig = o.Username, o.Password, o.DB, o.TLSConfig
+	}
+	if len(opts.Addrs) > 1 && opts.MasterName == "" && opts.DB != 0 {
+		return fmt.Errorf("invalid db %d: a Redis Cluster (several addresses) has only db 0", opts.DB)
+	}
+	// Every decision carries its own deadline (timeout); these only bound
+	// what no context does. Retries are off: a retried script after a lost
+	// reply could count one request twice.
+	opts.ContextTimeoutEnabled = true
+	opts.MaxRetries = -1
+	opts.DialTimeout = time.Second
+	opts.DialerRetries = 1 // a refused dial is retried by the next decision, not within this one
+	opts.ReadTimeout = time.Second
+	opts.WriteTimeout = time.Second
+	sc.opts = opts
+
+	sc.hashKey = nil
+	if sc.HashKeys != "" {
+		secret := repl.ReplaceKnown(sc.HashKeys, "")
+		if secret == "" {
+			return fmt.Errorf("invalid hash_keys %q: the secret is empty or its placeholder is unset", sc.HashKeys)
+		}
+		sc.hashKey = []byte(secret)
+	}
+
+	tlsOn := opts.TLSConfig != nil
+	sc.connKey = fmt.Sprintf("addrs=%s master=%s user=%s pass=%s db=%d tls=%t",
+		strings.Join(opts.Addrs, ","), opts.MasterName, opts.Username, digest(opts.Password), opts.DB, tlsOn)
+	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)))
+	return nil
+}
+
+// describe names the store for an error message, without secrets.
+func (sc *StoreConfig) describe() string {
+	if !sc.isRedis() {
+		return StoreMemory
+	}
+	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t)",
+		strings.Join(sc.Addresses, ","), sc.URL != "", sc.MasterName, sc.DB, sc.TLS, sc.KeyPrefix,
+		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "")
+}
+
+// digest is a short fingerprint of a secret, so that a key naming a
+// connection never holds the secret itself.
+func digest(secret string) string {
+	if secret == "" {
+		return ""
+	}
+	sum := sha256.Sum256([]byte(secret))
+	return hex.EncodeToString(sum[:8])
+}
+
+// redisClient is a pooled client; the pool closes it when the last zone
+// using it is gone.
+type redisClient struct {
+	redis.UniversalClient
+}
+
+// Destruct closes the client.
+func (c redisClient) Destruct() error { return c.Close() }
+
+// loadRedisClient returns the shared client for the config, creating it if
+// needed; it does not connect. Release it with releaseRedisClient.
+func loadRedisClient(sc *StoreConfig) redis.UniversalClient {
+	c, _, _ := redisClients.LoadOrNew(sc.connKey, func() (caddy.Destructor, error) {
+		return redisClient{redis.NewUniversalClient(sc.opts)}, nil
+	})
+	return c.(redisClient).UniversalClient
+}
+
+// releaseRedisClient lets go of the client for connKey.
+func releaseRedisClient(connKey string) error {
+	_, err := redisClients.Delete(connKey)
+	return err
+}
+
+// Interface guards
+var _ caddy.Destructor = redisClient{}

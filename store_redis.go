@@ -1,0 +1,621 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	_ "embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// hitScript is one fixed-window decision: see store_redis.lua. Run sends it
+// by EVALSHA and loads it on NOSCRIPT, so a restarted Redis costs one extra
+// round trip.
+//
+//go:embed store_redis.lua
+var hitSource string
+
+var hitScript = redis.NewScript(hitSource)
+
+// What a RedisStore does when Redis fails or is too slow to answer.
+const (
+	OnErrorLocal = "local" // keep limiting with an in-process store until Redis is back
+	OnErrorAllow = "allow" // admit the request (fail open)
+	OnErrorDeny  = "deny"  // refuse the request with 503 (fail closed)
+)
+
+// Health states of a RedisStore, as Health returns them.
+const (
+	HealthHealthy    = "HEALTHY"    // Redis answers; every decision goes to it
+	HealthDegraded   = "DEGRADED"   // Redis failed repeatedly; decisions apply on_error without waiting on it
+	HealthRecovering = "RECOVERING" // Redis answers again; decisions go to it until it has proved itself
+)
+
+const (
+	stateHealthy = iota
+	stateDegraded
+	stateRecovering
+)
+
+var stateNames = [...]string{HealthHealthy, HealthDegraded, HealthRecovering}
+
+// Tuning of the health state machine.
+const (
+	// degradeAfter consecutive failed decisions make a healthy store
+	// degraded.
+	degradeAfter = 3
+	// recoverAfter consecutive successes (probes or decisions) make a
+	// recovering store healthy.
+	recoverAfter = 3
+	// defaultProbeEvery is how often a degraded store pings Redis.
+	defaultProbeEvery = 500 * time.Millisecond
+	// probeTimeout is the least time a probe waits for its ping.
+	probeTimeout = time.Second
+)
+
+// ErrRedisDegraded is the error a degraded RedisStore reports, without
+// waiting on Redis, when on_error is deny.
+var ErrRedisDegraded = errors.New("redis store is degraded: redis failed repeatedly and is being probed")
+
+// RedisStoreOptions configure a RedisStore.
+type RedisStoreOptions struct {
+	// Client is the connection to Redis, possibly shared with other stores.
+	// The store never closes it.
+	Client redis.UniversalClient
+	// Prefix starts every key the store writes; it should name the zone, so
+	// zones sharing one Redis never share counters.
+	Prefix string
+	// HashKey, when set, makes the store write HMAC-SHA256(HashKey, key) in
+	// hex instead of the client key, so Redis holds no IP address.
+	HashKey []byte
+	// Timeout bounds each decision's round trip. Default: 100ms.
+	Timeout time.Duration
+	// OnError is OnErrorLocal, OnErrorAllow or OnErrorDeny. Default: local.
+	OnError string
+	// MaxTracked bounds the in-process state: the local fallback store and
+	// the cache of keys known to be over their limit. Default: 100000.
+	MaxTracked int
+	// Logger receives health changes. Default: none.
+	Logger *zap.Logger
+}
+
+// RedisStore is a Store whose counters live in Redis, so that every Caddy
+// instance sharing the Redis shares the limit. Each decision is one atomic
+// Lua call; a key known to be over its limit is refused in-process until its
+// window resets, so a flood costs Redis nothing.
+//
+// When Redis fails or times out, the store applies its on_error mode. After
+// repeated failures it is DEGRADED and stops waiting on Redis; a probe run by
+// Run moves it to RECOVERING once Redis answers, and to HEALTHY after
+// consecutive successes.
+//
+// The zero value is not usable; call NewRedisStore. A RedisStore is safe for
+// concurrent use.
+type RedisStore struct {
+	client  redis.UniversalClient
+	prefix  string
+	hashKey []byte
+	timeout atomic.Int64 // time.Duration
+	onError atomic.Pointer[string]
+	local   *MemoryStore // the on_error local fallback
+	refused refusedCache
+	logger  *zap.Logger
+
+	state      atomic.Int32
+	streak     atomic.Int32 // consecutive failures when healthy, successes when recovering
+	wake       chan struct{}
+	probeEvery time.Duration
+}
+
+// NewRedisStore returns a RedisStore. It does not connect: the first decision
+// does.
+func NewRedisStore(opts RedisStoreOptions) *RedisStore {
+	if opts.MaxTracked <= 0 {
+		opts.MaxTracked = DefaultMaxTracked
+	}
+	if opts.Logger == nil {
+		opts.Logger = zap.NewNop()
+	}
+	s := &RedisStore{
+		client:     opts.Client,
+		prefix:     opts.Prefix,
+		hashKey:    opts.HashKey,
+		local:      NewMemoryStore(opts.MaxTracked),
+		logger:     opts.Logger,
+		wake:       make(chan struct{}, 1),
+		probeEvery: defaultProbeEvery,
+	}
+	s.refused.init(opts.MaxTracked)
+	s.SetTimeout(opts.Timeout)
+	s.SetOnError(opts.OnError)
+	return s
+}
+
+// SetTimeout changes the bound on each decision's round trip; a non-positive
+// one restores the default of 100ms.
+func (s *RedisStore) SetTimeout(d time.Duration) {
+	if d <= 0 {
+		d = DefaultRedisTimeout
+	}
+	s.timeout.Store(int64(d))
+}
+
+// SetOnError changes what the store does when Redis fails: OnErrorLocal (also
+// for ""), OnErrorAllow or OnErrorDeny.
+func (s *RedisStore) SetOnError(mode string) {
+	if mode == "" {
+		mode = OnErrorLocal
+	}
+	s.onError.Store(&mode)
+}
+
+// SetMaxTracked changes the bound on the store's in-process state.
+func (s *RedisStore) SetMaxTracked(n int) {
+	s.local.SetMaxTracked(n)
+	s.refused.setCap(n)
+}
+
+// Health returns HealthHealthy, HealthDegraded or HealthRecovering.
+func (s *RedisStore) Health() string { return stateNames[s.state.Load()] }
+
+// Healthy reports whether the store is HEALTHY, for the store health metric.
+func (s *RedisStore) Healthy() bool { return s.state.Load() == stateHealthy }
+
+// HashedKeys reports whether keys are stored as HMAC hashes, so that Range
+// lists hashes rather than client keys.
+func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
+
+// Hit implements Store. It returns an error only when Redis failed and
+// on_error is deny; with allow or local the verdict has StoreError set.
+func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+	t := now.UnixNano()
+	if reset, ok := s.refused.get(key, t, limit.Max); ok {
+		return Verdict{
+			Limit:      limit.Max,
+			Reset:      time.Unix(0, reset),
+			RetryAfter: time.Duration(reset - t),
+		}, nil
+	}
+	if s.state.Load() == stateDegraded {
+		return s.fallback(ctx, key, now, limit, ErrRedisDegraded)
+	}
+	v, err := s.hitRedis(ctx, key, now, limit)
+	if err != nil {
+		if ctx.Err() != nil {
+			// The request itself was cancelled: no verdict, and no
+			// evidence against Redis.
+			return Verdict{}, fmt.Errorf("redis store: %w", ctx.Err())
+		}
+		s.failed(err)
+		return s.fallback(ctx, key, now, limit, err)
+	}
+	s.succeeded()
+	if !v.Allowed {
+		s.refused.put(key, v.Reset.UnixNano(), limit.Max, t)
+	}
+	return v, nil
+}
+
+// hitRedis runs the decision script for key.
+func (s *RedisStore) hitRedis(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+	defer cancel()
+	tag := s.tag(key)
+	keys := []string{s.prefix + "{" + tag + "}:c", s.prefix + "{" + tag + "}:r"}
+	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds()).Int64Slice()
+	if err != nil {
+		return Verdict{}, err
+	}
+	if len(res) != 4 {
+		return Verdict{}, fmt.Errorf("redis store: decision script returned %d values, want 4", len(res))
+	}
+	v := Verdict{
+		Allowed:   res[0] == 1,
+		Limit:     limit.Max,
+		Remaining: int(max(int64(limit.Max)-res[1], 0)),
+		Reset:     now.Add(time.Duration(res[2]) * time.Millisecond),
+	}
+	if !v.Allowed {
+		v.RetryAfter = time.Duration(res[2]) * time.Millisecond
+		v.FirstRefusal = res[3] == 1
+	}
+	return v, nil
+}
+
+// fallback decides without Redis, as on_error says.
+func (s *RedisStore) fallback(ctx context.Context, key string, now time.Time, limit Limit, cause error) (Verdict, error) {
+	switch *s.onError.Load() {
+	case OnErrorAllow:
+		return Verdict{
+			Allowed:    true,
+			Limit:      limit.Max,
+			Remaining:  limit.Max,
+			Reset:      now.Add(limit.Window),
+			StoreError: true,
+		}, nil
+	case OnErrorDeny:
+		return Verdict{}, fmt.Errorf("redis store: %w", cause)
+	default:
+		v, err := s.local.Hit(ctx, key, now, limit)
+		v.StoreError = true
+		return v, err
+	}
+}
+
+// failed records a failed decision.
+func (s *RedisStore) failed(err error) {
+	switch s.state.Load() {
+	case stateHealthy:
+		if s.streak.Add(1) >= degradeAfter {
+			s.transition(stateHealthy, stateDegraded, err)
+		}
+	case stateRecovering:
+		s.transition(stateRecovering, stateDegraded, err)
+	}
+}
+
+// succeeded records a successful round trip.
+func (s *RedisStore) succeeded() {
+	switch s.state.Load() {
+	case stateHealthy:
+		if s.streak.Load() != 0 {
+			s.streak.Store(0)
+		}
+	case stateRecovering:
+		if s.streak.Add(1) >= recoverAfter {
+			s.transition(stateRecovering, stateHealthy, nil)
+		}
+	}
+}
+
+// transition moves the store from one health state to another, if it is
+// still in from, and logs the change once.
+func (s *RedisStore) transition(from, to int32, cause error) {
+	if !s.state.CompareAndSwap(from, to) {
+		return
+	}
+	s.streak.Store(0)
+	fields := []zap.Field{zap.String("from", stateNames[from]), zap.String("to", stateNames[to]), zap.String("prefix", s.prefix)}
+	switch to {
+	case stateDegraded:
+		s.logger.Warn("redis store degraded: deciding without redis, as on_error says, until it answers again",
+			append(fields, zap.String("on_error", *s.onError.Load()), zap.Error(cause))...)
+		select {
+		case s.wake <- struct{}{}:
+		default:
+		}
+	case stateRecovering:
+		s.logger.Info("redis store recovering: redis answers again", fields...)
+	case stateHealthy:
+		s.logger.Info("redis store healthy", fields...)
+	}
+}
+
+// Run probes Redis whenever the store is degraded, until it is healthy
+// again, and sweeps the local fallback store every interval(); it returns
+// when ctx is done.
+func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
+	go s.local.RunSweeper(ctx, interval)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.wake:
+		}
+		s.probe(ctx)
+	}
+}
+
+// probe pings Redis every probeEvery until the store is healthy or ctx is
+// done.
+func (s *RedisStore) probe(ctx context.Context) {
+	timer := time.NewTimer(s.probeEvery)
+	defer timer.Stop()
+	for s.state.Load() != stateHealthy {
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+		// A probe keeps no request waiting, so it may take longer than a
+		// decision: after a restart it must dial (and maybe handshake TLS
+		// and authenticate) before its ping.
+		pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
+		err := s.client.Ping(pctx).Err()
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil:
+			s.failed(err)
+		case s.state.Load() == stateDegraded:
+			s.transition(stateDegraded, stateRecovering, nil)
+			s.succeeded()
+		default:
+			s.succeeded()
+		}
+		timer.Reset(s.probeEvery)
+	}
+}
+
+// tag returns the part of the Redis keys that names the client: the key
+// itself, or its HMAC in hex.
+func (s *RedisStore) tag(key string) string {
+	if s.hashKey == nil {
+		return key
+	}
+	m := hmac.New(sha256.New, s.hashKey)
+	m.Write([]byte(key))
+	return hex.EncodeToString(m.Sum(nil))
+}
+
+// base returns the Redis key of a client tag without its last letter
+// ("c" for the count, "r" for the refused tally). The tag is a Cluster hash
+// tag, so both keys of a client map to one slot.
+func (s *RedisStore) base(tag string) string {
+	return s.prefix + "{" + tag + "}:"
+}
+
+// Len implements Store. Counters in Redis are counted only by Range, which
+// costs a full scan; Len returns the keys tracked in this process by the
+// local fallback store.
+func (s *RedisStore) Len() int { return s.local.Len() }
+
+// Range implements Store. It walks the zone's count keys with SCAN (on every
+// master of a Cluster), a page at a time, never KEYS, and reads each page's
+// counts and expiries in one pipeline. With hashed keys, KeyState.Key is the
+// hash (see HashedKeys).
+func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
+	// ForEachMaster scans a Cluster's masters concurrently: fn is called
+	// one at a time all the same.
+	var mu sync.Mutex
+	stopped := false
+	call := func(ks KeyState) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if stopped {
+			return false
+		}
+		stopped = !fn(ks)
+		return !stopped
+	}
+	var err error
+	if cc, ok := s.client.(*redis.ClusterClient); ok {
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+			return s.scan(ctx, c, now, call)
+		})
+	} else {
+		err = s.scan(ctx, s.client, now, call)
+	}
+	if errors.Is(err, errStopRange) {
+		return nil
+	}
+	return err
+}
+
+// errStopRange ends a scan when the Range callback returns false.
+var errStopRange = errors.New("range stopped")
+
+// scanner is what Range needs of a Redis client or Cluster node.
+type scanner interface {
+	Scan(ctx context.Context, cursor uint64, match string, count int64) *redis.ScanCmd
+	Pipeline() redis.Pipeliner
+}
+
+// scanPage is how many keys one SCAN step asks for.
+const scanPage = 500
+
+// scan calls fn for each live count key of the zone on one Redis node.
+func (s *RedisStore) scan(ctx context.Context, c scanner, now time.Time, fn func(KeyState) bool) error {
+	pattern := escapeGlob(s.prefix) + "{*}:c"
+	var cursor uint64
+	for {
+		keys, next, err := c.Scan(ctx, cursor, pattern, scanPage).Result()
+		if err != nil {
+			return fmt.Errorf("scanning redis keys %q: %w", pattern, err)
+		}
+		if len(keys) > 0 {
+			if err := s.readPage(ctx, c, keys, now, fn); err != nil {
+				return err
+			}
+		}
+		if next == 0 {
+			return nil
+		}
+		cursor = next
+	}
+}
+
+// readPage reads the count, expiry and refused tally of a page of count
+// keys in one pipeline and passes the live ones to fn.
+func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now time.Time, fn func(KeyState) bool) error {
+	type row struct {
+		count, refused *redis.StringCmd
+		ttl            *redis.DurationCmd
+	}
+	rows := make([]row, len(keys))
+	pipe := c.Pipeline()
+	for i, k := range keys {
+		rows[i] = row{
+			count:   pipe.Get(ctx, k),
+			ttl:     pipe.PTTL(ctx, k),
+			refused: pipe.Get(ctx, strings.TrimSuffix(k, "c")+"r"),
+		}
+	}
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("reading redis counters: %w", err)
+	}
+	for i, k := range keys {
+		count, err := rows[i].count.Int()
+		ttl := rows[i].ttl.Val()
+		if err != nil || ttl <= 0 {
+			continue // expired between SCAN and GET
+		}
+		refused, _ := rows[i].refused.Int()
+		tag := strings.TrimSuffix(strings.TrimPrefix(k, s.prefix+"{"), "}:c")
+		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Reset: now.Add(ttl)}) {
+			return errStopRange
+		}
+	}
+	return nil
+}
+
+// Forget implements Store. key is a client key or, with hashed keys, the
+// hash Range lists. Other Caddy instances may still refuse the key from
+// their local cache until its window would have reset.
+func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
+	defer cancel()
+	tags := []string{s.tag(key)}
+	if s.hashKey != nil && isHexHash(key) {
+		tags = append(tags, key)
+		s.refused.forgetFunc(func(k string) bool { return s.tag(k) == key })
+	}
+	s.refused.forget(key)
+	_, _ = s.local.Forget(ctx, key)
+	found := false
+	for _, tag := range tags {
+		base := s.base(tag)
+		// One DEL per tag: both keys share the tag's slot.
+		n, err := s.client.Del(ctx, base+"c", base+"r").Result()
+		if err != nil {
+			return found, fmt.Errorf("deleting redis key %q: %w", base+"c", err)
+		}
+		found = found || n > 0
+	}
+	return found, nil
+}
+
+// isHexHash reports whether key looks like a hashed key: 64 hex digits.
+func isHexHash(key string) bool {
+	if len(key) != 2*sha256.Size {
+		return false
+	}
+	_, err := hex.DecodeString(key)
+	return err == nil
+}
+
+// escapeGlob escapes the characters SCAN MATCH treats as a pattern.
+func escapeGlob(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		switch r {
+		case '*', '?', '[', ']', '\\':
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
+
+// refusedCache remembers the keys Redis refused until their window resets,
+// so that they are refused again without a round trip. It is bounded: when
+// a shard is full, expired entries are purged, and if it is still full the
+// key is not cached (it just keeps going to Redis).
+type refusedCache struct {
+	seed     maphash.Seed
+	shardCap atomic.Int64
+	shards   [16]refusedShard
+}
+
+type refusedShard struct {
+	mu sync.Mutex
+	m  map[string]refusedEntry
+	_  [64]byte // keep neighbouring shards' locks off one cache line
+}
+
+// refusedEntry is one key known to be over its limit.
+type refusedEntry struct {
+	reset int64 // Unix nanoseconds at which the window resets
+	max   int   // the limit it is over: a raised limit ignores the entry
+}
+
+func (c *refusedCache) init(maxKeys int) {
+	c.seed = maphash.MakeSeed()
+	for i := range c.shards {
+		c.shards[i].m = make(map[string]refusedEntry)
+	}
+	c.setCap(maxKeys)
+}
+
+func (c *refusedCache) setCap(maxKeys int) {
+	c.shardCap.Store(int64(max(maxKeys/len(c.shards), 1)))
+}
+
+func (c *refusedCache) shard(key string) *refusedShard {
+	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
+}
+
+// get returns the reset time of key if it is known to be over limitMax at t.
+func (c *refusedCache) get(key string, t int64, limitMax int) (int64, bool) {
+	sh := c.shard(key)
+	sh.mu.Lock()
+	e, ok := sh.m[key]
+	if ok && t >= e.reset {
+		delete(sh.m, key)
+		ok = false
+	}
+	sh.mu.Unlock()
+	if !ok || limitMax > e.max {
+		return 0, false
+	}
+	return e.reset, true
+}
+
+// put records that key is over limitMax until reset.
+func (c *refusedCache) put(key string, reset int64, limitMax int, t int64) {
+	sh := c.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if int64(len(sh.m)) >= c.shardCap.Load() {
+		for k, e := range sh.m {
+			if t >= e.reset {
+				delete(sh.m, k)
+			}
+		}
+		if int64(len(sh.m)) >= c.shardCap.Load() {
+			return
+		}
+	}
+	sh.m[strings.Clone(key)] = refusedEntry{reset: reset, max: limitMax}
+}
+
+// forget drops key.
+func (c *refusedCache) forget(key string) {
+	sh := c.shard(key)
+	sh.mu.Lock()
+	delete(sh.m, key)
+	sh.mu.Unlock()
+}
+
+// forgetFunc drops every key for which match returns true.
+func (c *refusedCache) forgetFunc(match func(string) bool) {
+	for i := range c.shards {
+		sh := &c.shards[i]
+		sh.mu.Lock()
+		for k := range sh.m {
+			if match(k) {
+				delete(sh.m, k)
+			}
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// Interface guards
+var (
+	_ Store                          = (*RedisStore)(nil)
+	_ interface{ Health() string }   = (*RedisStore)(nil) // read by zone.health for the admin API
+	_ interface{ Healthy() bool }    = (*RedisStore)(nil) // for caddy_rate_limit_store_healthy
+	_ interface{ HashedKeys() bool } = (*RedisStore)(nil) // for the admin listing
+)

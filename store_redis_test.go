@@ -1,0 +1,518 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// newTestRedisStore returns a RedisStore on a fresh client to addrs, with
+// its probe running until the test ends.
+func newTestRedisStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*RedisStore, redis.UniversalClient) {
+	t.Helper()
+	client := redis.NewUniversalClient(&redis.UniversalOptions{
+		Addrs:                 addrs,
+		ContextTimeoutEnabled: true,
+		MaxRetries:            -1,
+		DialTimeout:           time.Second,
+	})
+	t.Cleanup(func() { client.Close() })
+	opts.Client = client
+	if opts.Prefix == "" {
+		opts.Prefix = "test:" + t.Name() + ":"
+	}
+	s := NewRedisStore(opts)
+	s.probeEvery = 50 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go s.Run(ctx, func() time.Duration { return time.Minute })
+	return s, client
+}
+
+// The Redis store reaches the same verdicts as the memory store: max
+// admitted counting down, refusals not counted, FirstRefusal once, a fresh
+// window after the reset, and no key outliving its window.
+func TestRedisStoreVerdicts(t *testing.T) {
+	srv := redistest.Start(t)
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	lim := Limit{Window: 2 * time.Second, Max: 3}
+	now := time.Now()
+	for i := 1; i <= 3; i++ {
+		v, err := s.Hit(ctx, "10.0.0.1", now, lim)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !v.Allowed || v.Remaining != 3-i || v.Limit != 3 || v.StoreError {
+			t.Fatalf("hit %d: %+v, want allowed with %d remaining", i, v, 3-i)
+		}
+		if d := v.Reset.Sub(now); d <= time.Second || d > 2*time.Second {
+			t.Fatalf("hit %d: reset in %s, want about 2s", i, d)
+		}
+	}
+	v, err := s.Hit(ctx, "10.0.0.1", now, lim)
+	if err != nil || v.Allowed || !v.FirstRefusal || v.Remaining != 0 || v.RetryAfter <= 0 || v.RetryAfter > 2*time.Second {
+		t.Fatalf("4th hit: %+v, %v; want the first refusal with a retry-after", v, err)
+	}
+	v, _ = s.Hit(ctx, "10.0.0.1", now, lim)
+	if v.Allowed || v.FirstRefusal {
+		t.Fatalf("5th hit: %+v, want a refusal that is not the first", v)
+	}
+	// The refusals were not counted in Redis; the 4th was tallied (the
+	// 5th was refused from the local cache, without a round trip).
+	base := s.base("10.0.0.1")
+	if n, _ := client.Get(ctx, base+"c").Int(); n != 3 {
+		t.Errorf("count in redis = %d, want 3", n)
+	}
+	if n, _ := client.Get(ctx, base+"r").Int(); n != 1 {
+		t.Errorf("refused tally in redis = %d, want 1", n)
+	}
+	for _, k := range []string{base + "c", base + "r"} {
+		if ttl := client.PTTL(ctx, k).Val(); ttl <= 0 || ttl > 2*time.Second {
+			t.Errorf("PTTL %s = %s, want within the 2s window", k, ttl)
+		}
+	}
+	// Another key is untouched.
+	if v, _ := s.Hit(ctx, "10.0.0.2", now, lim); !v.Allowed || v.Remaining != 2 {
+		t.Errorf("other key: %+v, want allowed with 2 remaining", v)
+	}
+
+	srv.Sleep(2100 * time.Millisecond)
+	if n := client.Exists(ctx, base+"c", base+"r").Val(); n != 0 {
+		t.Errorf("%d keys outlived their window", n)
+	}
+	v, err = s.Hit(ctx, "10.0.0.1", time.Now(), lim)
+	if err != nil || !v.Allowed || v.Remaining != 2 {
+		t.Fatalf("after the reset: %+v, %v; want a fresh window", v, err)
+	}
+}
+
+// A key refused once is refused again without a round trip until its
+// window resets: with Redis gone, the verdict is still a plain refusal.
+func TestRedisStoreRefusesLocally(t *testing.T) {
+	srv := redistest.Start(t)
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 1}
+	now := time.Now()
+	s.Hit(ctx, "k", now, lim)
+	if v, _ := s.Hit(ctx, "k", now, lim); v.Allowed {
+		t.Fatal("2nd hit admitted with max 1")
+	}
+	srv.Stop()
+	for i := range 10 {
+		v, err := s.Hit(ctx, "k", now.Add(time.Duration(i)*time.Second), lim)
+		if err != nil || v.Allowed || v.StoreError {
+			t.Fatalf("refused key with redis down: %+v, %v; want a local refusal", v, err)
+		}
+	}
+	if h := s.Health(); h != HealthHealthy {
+		t.Errorf("health = %s after local refusals only, want HEALTHY (redis was never asked)", h)
+	}
+	// A raised limit does not trust the cache.
+	if v, _ := s.Hit(ctx, "k", now, Limit{Window: time.Minute, Max: 5}); !v.StoreError {
+		t.Errorf("raised limit: %+v, want a decision that went to (the dead) redis", v)
+	}
+}
+
+// A flood from a key over its limit costs Redis nothing: after the first
+// refusal, every refusal is decided in-process.
+func TestRedisStoreFloodCostsNothing(t *testing.T) {
+	srv := redistest.Start(t)
+	if srv.Kind != redistest.KindReal {
+		t.Skipf("%s keeps no command statistics", srv.Kind)
+	}
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 3}
+	if err := client.ConfigResetStat(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	refused := 0
+	for range 1000 {
+		v, err := s.Hit(ctx, "flooder", time.Now(), lim)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !v.Allowed {
+			refused++
+		}
+	}
+	if refused != 997 {
+		t.Fatalf("refused %d of 1000 with max 3, want 997", refused)
+	}
+	info, err := client.Info(ctx, "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	for _, line := range strings.Split(info, "\n") {
+		for _, cmd := range []string{"cmdstat_evalsha:", "cmdstat_eval:"} {
+			if rest, ok := strings.CutPrefix(line, cmd); ok {
+				// EVALSHA's NOSCRIPT on first use is a failed call.
+				var n, failed int
+				fmt.Sscanf(rest, "calls=%d", &n)
+				if i := strings.Index(rest, "failed_calls="); i >= 0 {
+					fmt.Sscanf(rest[i:], "failed_calls=%d", &failed)
+				}
+				calls += n - failed
+			}
+		}
+	}
+	if calls != 4 {
+		t.Errorf("redis ran the script %d times for 1000 requests with max 3, want 4 (3 admitted, 1 refused)\n%s", calls, info)
+	}
+}
+
+// Many goroutines hitting one key through several stores (as several Caddy
+// instances would) admit exactly max.
+func TestRedisStoreExactAdmission(t *testing.T) {
+	srv := redistest.Start(t)
+	testExactAdmission(t, []string{srv.Addr})
+}
+
+// The same on a three-master Redis Cluster, with several keys so that
+// several slots and nodes are involved.
+func TestRedisStoreClusterAdmission(t *testing.T) {
+	addrs := redistest.StartCluster(t)
+	testExactAdmission(t, addrs)
+
+	// Range covers every master.
+	s, _ := newTestRedisStore(t, addrs, RedisStoreOptions{Prefix: "range:"})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 10}
+	for i := range 50 {
+		if _, err := s.Hit(ctx, fmt.Sprintf("10.1.0.%d", i), time.Now(), lim); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := 0
+	if err := s.Range(ctx, time.Now(), func(KeyState) bool { seen++; return true }); err != nil {
+		t.Fatal(err)
+	}
+	if seen != 50 {
+		t.Errorf("Range on the Cluster saw %d keys, want 50", seen)
+	}
+}
+
+func testExactAdmission(t *testing.T, addrs []string) {
+	const stores, clients, perClient, maxN = 2, 64, 10, 50
+	var ss []*RedisStore
+	for range stores {
+		s, _ := newTestRedisStore(t, addrs, RedisStoreOptions{Prefix: "exact:", Timeout: 2 * time.Second})
+		ss = append(ss, s)
+	}
+	for _, key := range []string{"198.51.100.7", "2001:db8::/64", "user:alice"} {
+		var admitted, refused, failed atomic.Int64
+		var wg sync.WaitGroup
+		lim := Limit{Window: time.Minute, Max: maxN}
+		for c := range clients {
+			wg.Go(func() {
+				s := ss[c%stores]
+				for range perClient {
+					v, err := s.Hit(context.Background(), key, time.Now(), lim)
+					switch {
+					case err != nil || v.StoreError:
+						failed.Add(1)
+					case v.Allowed:
+						admitted.Add(1)
+					default:
+						refused.Add(1)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if admitted.Load() != maxN || failed.Load() != 0 || refused.Load() != clients*perClient-maxN {
+			t.Errorf("key %s: admitted %d, refused %d, failed %d; want exactly %d admitted and no failure",
+				key, admitted.Load(), refused.Load(), failed.Load(), maxN)
+		}
+	}
+}
+
+// Each on_error mode does what it says while Redis is down, no decision
+// waits longer than the timeout, and the store walks DEGRADED → RECOVERING →
+// HEALTHY by itself once Redis is back.
+func TestRedisStoreOnError(t *testing.T) {
+	for _, mode := range []string{OnErrorLocal, OnErrorAllow, OnErrorDeny} {
+		t.Run(mode, func(t *testing.T) {
+			srv := redistest.Start(t)
+			const timeout = 100 * time.Millisecond
+			s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: mode, Timeout: timeout})
+			ctx := context.Background()
+			lim := Limit{Window: time.Minute, Max: 3}
+			if v, err := s.Hit(ctx, "warm", time.Now(), lim); err != nil || !v.Allowed {
+				t.Fatalf("warm-up: %+v, %v", v, err)
+			}
+			srv.Stop()
+
+			var slowest time.Duration
+			var verdicts []Verdict
+			var errs []error
+			for range 8 {
+				start := time.Now()
+				v, err := s.Hit(ctx, "10.9.9.9", time.Now(), lim)
+				slowest = max(slowest, time.Since(start))
+				verdicts = append(verdicts, v)
+				errs = append(errs, err)
+			}
+			if slowest > timeout+200*time.Millisecond {
+				t.Errorf("a decision took %s with redis down, want at most the %s timeout (plus slack)", slowest, timeout)
+			}
+			if h := s.Health(); h != HealthDegraded {
+				t.Errorf("health after 8 failures = %s, want DEGRADED", h)
+			}
+			for i, v := range verdicts {
+				switch mode {
+				case OnErrorAllow:
+					if errs[i] != nil || !v.Allowed || !v.StoreError {
+						t.Errorf("allow, request %d: %+v, %v; want admitted with StoreError", i+1, v, errs[i])
+					}
+				case OnErrorDeny:
+					if errs[i] == nil || v.Allowed {
+						t.Errorf("deny, request %d: %+v, %v; want an error", i+1, v, errs[i])
+					}
+				case OnErrorLocal:
+					if errs[i] != nil || !v.StoreError || v.Allowed != (i < 3) {
+						t.Errorf("local, request %d: %+v, %v; want the local store's verdict (3 admitted)", i+1, v, errs[i])
+					}
+				}
+			}
+			if mode == OnErrorDeny && !errors.Is(errs[len(errs)-1], ErrRedisDegraded) {
+				t.Errorf("deny once degraded: error %v, want ErrRedisDegraded", errs[len(errs)-1])
+			}
+
+			srv.Restart()
+			deadline := time.Now().Add(5 * time.Second)
+			sawRecovering := false
+			for s.Health() != HealthHealthy {
+				if s.Health() == HealthRecovering {
+					sawRecovering = true
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("health = %s 5s after redis came back, want HEALTHY", s.Health())
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			if !sawRecovering {
+				t.Log("RECOVERING was too brief to observe")
+			}
+			v, err := s.Hit(ctx, "10.9.9.10", time.Now(), lim)
+			if err != nil || !v.Allowed || v.StoreError {
+				t.Errorf("after recovery: %+v, %v; want a redis decision", v, err)
+			}
+		})
+	}
+}
+
+// A Redis that hangs rather than dies costs each decision at most the
+// timeout, then none once the store is degraded; it recovers when Redis
+// answers again.
+func TestRedisStoreHungRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	const timeout = 100 * time.Millisecond
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Timeout: timeout})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 100}
+	if _, err := s.Hit(ctx, "warm", time.Now(), lim); err != nil {
+		t.Fatal(err)
+	}
+	if !srv.Pause() {
+		t.Skipf("%s cannot be paused", srv.Kind)
+	}
+	t.Cleanup(srv.Resume)
+	var timings []time.Duration
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for c := range 16 {
+		wg.Go(func() {
+			for range 4 {
+				start := time.Now()
+				v, err := s.Hit(ctx, fmt.Sprintf("hung-%d", c), time.Now(), lim)
+				d := time.Since(start)
+				if err != nil || !v.Allowed || !v.StoreError {
+					t.Errorf("hung redis, allow: %+v, %v; want admitted with StoreError", v, err)
+				}
+				mu.Lock()
+				timings = append(timings, d)
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	for _, d := range timings {
+		if d > timeout+200*time.Millisecond {
+			t.Errorf("a decision took %s against a hung redis, want at most the %s timeout (plus slack)", d, timeout)
+		}
+	}
+	if h := s.Health(); h != HealthDegraded {
+		t.Fatalf("health = %s, want DEGRADED", h)
+	}
+	start := time.Now()
+	s.Hit(ctx, "degraded", time.Now(), lim)
+	if d := time.Since(start); d > 50*time.Millisecond {
+		t.Errorf("a degraded store waited %s on redis, want no wait", d)
+	}
+	srv.Resume()
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Health() != HealthHealthy {
+		if time.Now().After(deadline) {
+			t.Fatalf("health = %s 5s after redis resumed, want HEALTHY", s.Health())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Range lists live keys with their counts via SCAN; Forget resets a key;
+// with hash_keys Redis holds no client key, Range lists hashes, and Forget
+// takes either the key or its hash.
+func TestRedisStoreRangeForget(t *testing.T) {
+	for _, hashed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("hashed=%t", hashed), func(t *testing.T) {
+			srv := redistest.Start(t)
+			var secret []byte
+			if hashed {
+				secret = []byte("s3cret")
+			}
+			s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{HashKey: secret, Prefix: "rf[1]*:"})
+			// A key of another zone sharing the prefix's start must not be
+			// listed: the prefix is matched literally.
+			client.Set(context.Background(), "rf[1]X:{x}:c", 1, time.Minute)
+			ctx := context.Background()
+			lim := Limit{Window: time.Minute, Max: 2}
+			now := time.Now()
+			keys := []string{"192.0.2.1", "192.0.2.2", "2001:db8:1::/64"}
+			for i, k := range keys {
+				for range i + 1 {
+					s.Hit(ctx, k, now, lim)
+				}
+			}
+			got := map[string]KeyState{}
+			if err := s.Range(ctx, now, func(ks KeyState) bool { got[ks.Key] = ks; return true }); err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != 3 {
+				t.Fatalf("Range listed %d keys, want 3: %v", len(got), got)
+			}
+			for i, k := range keys {
+				name := k
+				if hashed {
+					name = s.tag(k)
+					if _, ok := got[k]; ok {
+						t.Errorf("hashed store listed the raw key %s", k)
+					}
+				}
+				ks, ok := got[name]
+				if !ok {
+					t.Errorf("key %s (listed as %s) missing", k, name)
+					continue
+				}
+				wantCount, wantRefused := min(i+1, 2), max(i+1-2, 0)
+				if ks.Count != wantCount || ks.Refused != wantRefused || ks.Reset.Sub(now) <= 50*time.Second {
+					t.Errorf("key %s: %+v, want count %d, refused %d, reset in ~1m", k, ks, wantCount, wantRefused)
+				}
+			}
+			if hashed {
+				raw, _ := client.Keys(ctx, "*192.0.2*").Result()
+				if len(raw) != 0 {
+					t.Errorf("redis holds raw client keys: %v", raw)
+				}
+			}
+			// Stop early.
+			n := 0
+			s.Range(ctx, now, func(KeyState) bool { n++; return false })
+			if n != 1 {
+				t.Errorf("Range called fn %d times after it returned false, want 1", n)
+			}
+
+			// Forget the refused key (by its hash when hashed): it is
+			// admitted again at once.
+			forget := keys[2]
+			if hashed {
+				forget = s.tag(keys[2])
+			}
+			if ok, err := s.Forget(ctx, forget); err != nil || !ok {
+				t.Fatalf("Forget(%s) = %t, %v; want true", forget, ok, err)
+			}
+			if v, _ := s.Hit(ctx, keys[2], now, lim); !v.Allowed || v.Remaining != 1 {
+				t.Errorf("after Forget: %+v, want a fresh window", v)
+			}
+			if ok, _ := s.Forget(ctx, "203.0.113.99"); ok {
+				t.Error("Forget of an unknown key reported true")
+			}
+		})
+	}
+}
+
+// Nothing connects before the first decision: a store pointing at a dead
+// address is built without error and fails only when used.
+func TestRedisStoreLazy(t *testing.T) {
+	s, _ := newTestRedisStore(t, []string{"127.0.0.1:1"}, RedisStoreOptions{OnError: OnErrorDeny})
+	if h := s.Health(); h != HealthHealthy {
+		t.Errorf("health before any decision = %s, want HEALTHY", h)
+	}
+	_, err := s.Hit(context.Background(), "k", time.Now(), Limit{Window: time.Minute, Max: 1})
+	if err == nil || !strings.Contains(err.Error(), "redis store") {
+		t.Errorf("Hit against a dead address: %v, want a redis store error", err)
+	}
+}
+
+// BenchmarkRedisHit measures one decision against a real redis-server: a
+// round trip with the Lua script, serially and from parallel goroutines,
+// spread over many keys so that few are refused.
+func BenchmarkRedisHit(b *testing.B) {
+	srv := redistest.Start(b)
+	if srv.Kind != redistest.KindReal {
+		b.Logf("benchmarking %s, not a real redis-server", srv.Kind)
+	}
+	s, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second})
+	lim := Limit{Window: time.Minute, Max: 1 << 30}
+	keys := make([]string, 1024)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("10.0.%d.%d", i/256, i%256)
+	}
+	ctx := context.Background()
+	b.Run("serial", func(b *testing.B) {
+		b.ReportAllocs()
+		i := 0
+		for b.Loop() {
+			if _, err := s.Hit(ctx, keys[i%len(keys)], time.Now(), lim); err != nil {
+				b.Fatal(err)
+			}
+			i++
+		}
+	})
+	b.Run("parallel", func(b *testing.B) {
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			i := 0
+			for pb.Next() {
+				if _, err := s.Hit(ctx, keys[i%len(keys)], time.Now(), lim); err != nil {
+					b.Error(err)
+					return
+				}
+				i++
+			}
+		})
+	})
+	b.Run("refused-locally", func(b *testing.B) {
+		b.ReportAllocs()
+		one := Limit{Window: time.Minute, Max: 1}
+		s.Hit(ctx, "flood", time.Now(), one)
+		s.Hit(ctx, "flood", time.Now(), one)
+		for b.Loop() {
+			if v, _ := s.Hit(ctx, "flood", time.Now(), one); v.Allowed {
+				b.Fatal("flood admitted")
+			}
+		}
+	})
+}
