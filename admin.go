@@ -311,7 +311,7 @@ func (t *topKeys) offer(ks KeyState) {
 		return
 	}
 	t.items = append(t.items, ks)
-	if len(t.items) >= 2*t.k && len(t.items) >= 64 {
+	if len(t.items)/2 >= t.k && len(t.items) >= 64 { // not 2*t.k: t.k may be near MaxInt
 		selectRank(t.items, t.k-1)
 		clear(t.items[t.k:])
 		t.items = t.items[:t.k]

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"errors"
 	"strconv"
 	"time"
 
@@ -125,6 +126,12 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
+	// What the options above cannot see alone (a zone name, a key without
+	// a placeholder, a window of a fraction of a second) fails here, at
+	// adapt, as it would at load.
+	if err := rl.check(); err != nil {
+		return d.Errf("%v", err)
+	}
 	return nil
 }
 
@@ -243,9 +250,12 @@ func parseDuration(d *caddyfile.Dispenser, opt, val string) (caddy.Duration, err
 // parseWindow parses a window: a bare integer of seconds, or, when
 // durationOK, a duration such as "1m". It must be at least one second.
 func parseWindow(d *caddyfile.Dispenser, opt, val string, durationOK bool) (caddy.Duration, error) {
-	if secs, err := strconv.Atoi(val); err == nil {
+	if secs, err := strconv.ParseInt(val, 10, 64); err == nil || errors.Is(err, strconv.ErrRange) {
 		if secs < 1 {
 			return 0, d.Errf("invalid %s %q: must be at least 1 second", opt, val)
+		}
+		if err != nil || secs > int64(MaxWindow/time.Second) {
+			return 0, d.Errf("invalid %s %q: must be at most %d seconds (%s)", opt, val, int64(MaxWindow/time.Second), MaxWindow)
 		}
 		return caddy.Duration(time.Duration(secs) * time.Second), nil
 	}

@@ -91,6 +91,13 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n enabled maybe\n}", `invalid enabled "maybe": must be true or false`},
 		{"rate_limit {\n burst 5\n}", `unrecognized rate_limit subdirective "burst"`},
 		{"rate_limit {\n zone\n}", "wrong argument count"},
+		{"rate_limit {\n zone a/b\n}", `invalid zone "a/b": use letters, digits and _ - . : only`},
+		{"rate_limit {\n key apikey\n}", `invalid key "apikey": must hold a placeholder`},
+		{"rate_limit {\n window 9223372036\n}", `invalid window "9223372036": must be at most 31622400 seconds`},
+		{"rate_limit {\n window 99999999999999999999\n}", `invalid window "99999999999999999999": must be at most`},
+		{"rate_limit {\n window 106751d\n}", `must be at most 8784h0m0s`},
+		{"rate_limit {\n window 1500ms\n}", `invalid window 1.5s: must be a whole number of seconds`},
+		{"rate_limit {\n gc_interval 1ns\n}", `invalid gc_interval 1ns: must be at least 1s`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			var rl RateLimit
@@ -117,6 +124,9 @@ func TestValidateJSON(t *testing.T) {
 		{`{"ipv6_prefix": 200}`, "invalid ipv6_prefix 200"},
 		{`{"headers": "x"}`, `invalid headers "x"`},
 		{`{"gc_interval": "-5s"}`, "invalid gc_interval -5s"},
+		{`{"window": "400d"}`, "invalid window 9600h0m0s: must be at most 8784h0m0s"},
+		{`{"zone": "a b"}`, `invalid zone "a b"`},
+		{`{"key": "static"}`, `invalid key "static"`},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
 			var rl RateLimit

@@ -4,6 +4,7 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -16,7 +17,8 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 	f.Add("zone api\nwindow 1m\nmax 300\nmax_tracked 1000\nkey {http.request.header.X-Key}")
 	f.Add("windowS 60\nmaxTracked 100000\nipv6_prefix 128\nheaders both\ngc_interval 5m\nenabled false")
 	f.Add("window 1\nmax 1\nipv6_prefix 1\nheaders none")
-	f.Add("window 999999999999\nmax 2147483647")
+	f.Add("window 999999999999\nmax 2147483647") // a window past the bound: refused
+	f.Add("window 31622400\nzone a.b:c-d_e")     // the longest window
 	f.Fuzz(func(t *testing.T, block string) {
 		var rl RateLimit
 		input := "rate_limit {\n" + block + "\n}"
@@ -25,6 +27,9 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		}
 		if err := rl.Validate(); err != nil {
 			t.Fatalf("parser accepted %q but Validate says %v", block, err)
+		}
+		if w := time.Duration(rl.Window); w < 0 || w > MaxWindow {
+			t.Fatalf("parser accepted %q with window %s out of range", block, w)
 		}
 	})
 }

@@ -1,8 +1,29 @@
 package ratelimit
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"net/netip"
 )
+
+// customKeyPrefix starts every key that comes from the key placeholder, so
+// that no client can send a value that lands in another client's IP counter.
+const customKeyPrefix = "key:"
+
+// maxCustomKeyLen is the longest custom key kept as it is; a longer one is
+// kept as its hash, so that keys a client chooses cannot grow the store past
+// max_tracked times a small size.
+const maxCustomKeyLen = 128
+
+// customKey turns the resolved key placeholder into the key it is counted
+// under.
+func customKey(k string) string {
+	if len(k) > maxCustomKeyLen {
+		sum := sha256.Sum256([]byte(k))
+		return customKeyPrefix + "sha256:" + hex.EncodeToString(sum[:16])
+	}
+	return customKeyPrefix + k
+}
 
 // clientIPKey turns a client address into the key it is counted under:
 // an IPv4 address as it is, an IPv4-mapped IPv6 address as its IPv4 form, and

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -29,6 +30,9 @@ const (
 	DefaultMaxTracked = 100_000
 	DefaultIPv6Prefix = 64
 	DefaultGCInterval = 5 * time.Minute
+
+	// MaxWindow is the longest window accepted.
+	MaxWindow = 366 * 24 * time.Hour
 
 	// MinMaxTracked is the lowest max_tracked accepted: below it, eviction
 	// would let a handful of clients reset each other's windows.
@@ -121,7 +125,8 @@ type RateLimit struct {
 
 	zone     *zone
 	limit    Limit
-	byIP     bool // the key is the client IP (no custom placeholder)
+	byIP     bool   // the key is the client IP (no custom placeholder)
+	keyText  string // what Key resolves to when all its placeholders are empty
 	headers  string
 	limitStr string // Max, formatted once
 	policy   string // RateLimit-Policy value, formatted once
@@ -188,6 +193,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 
 	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max}
 	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
+	rl.keyText = caddy.NewEmptyReplacer().ReplaceAll(rl.Key, "")
 	rl.headers = rl.Headers
 	rl.limitStr = strconv.Itoa(rl.Max)
 	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q: more than %d requests per %s", rl.Zone, rl.Max, rl.limit.Window)
@@ -195,7 +201,13 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.zoneAny = rl.Zone
 	rl.policy = fmt.Sprintf("%q;q=%d;w=%d", rl.Zone, rl.Max, int64(rl.limit.Window/time.Second))
 
-	if err := claimZone(ctx.Context, rl.Zone, rl.zoneSettings()); err != nil {
+	// The metrics registry is made anew for each config load and shared by
+	// all of its modules, whichever server they are in: it names the load.
+	var load any
+	if reg := ctx.GetMetricsRegistry(); reg != nil {
+		load = reg
+	}
+	if err := claimZone(ctx.Context, load, rl.Zone, rl.zoneSettings()); err != nil {
 		return err
 	}
 	z, _, err := zones.LoadOrNew(rl.poolKey(), func() (caddy.Destructor, error) {
@@ -205,10 +217,12 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading zone %q: %w", rl.Zone, err)
 	}
 	rl.zone = z.(*zone)
-	rl.zone.apply(rl)
+	rl.zone.hold(rl)
 
-	if err := registerMetrics(ctx.GetMetricsRegistry()); err != nil {
-		return err
+	if reg := ctx.GetMetricsRegistry(); reg != nil {
+		if err := registerMetrics(reg); err != nil {
+			return err
+		}
 	}
 	rl.events, err = eventsApp(ctx)
 	if err != nil {
@@ -230,7 +244,9 @@ func (rl *RateLimit) Cleanup() error {
 	if rl.zone == nil {
 		return nil
 	}
-	rl.zone = nil
+	// rl.zone stays set: a request still being served by the old config
+	// may read it.
+	rl.zone.release(rl)
 	_, err := zones.Delete(rl.poolKey())
 	return err
 }
@@ -294,8 +310,10 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 // key returns the key the request is counted under, or "" if it has none.
 func (rl *RateLimit) key(r *http.Request, repl *caddy.Replacer) string {
 	if !rl.byIP {
-		if k := repl.ReplaceKnown(rl.Key, ""); k != "" {
-			return k
+		// Unknown placeholders resolve empty; a key that resolves to its
+		// fixed text alone has no client in it and falls back to the IP.
+		if k := repl.ReplaceAll(rl.Key, ""); k != rl.keyText {
+			return customKey(k)
 		}
 	}
 	ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
@@ -326,7 +344,7 @@ func (rl *RateLimit) setHeaders(h http.Header, v Verdict, now time.Time) {
 	}
 }
 
-// check reports the first invalid setting, naming the option and its value.
+// check reports every invalid setting, naming the option and its value.
 func (rl *RateLimit) check() error {
 	var errs []error
 	if rl.Max < 0 {
@@ -334,6 +352,16 @@ func (rl *RateLimit) check() error {
 	}
 	if w := time.Duration(rl.Window); w < 0 || (w > 0 && w < time.Second) {
 		errs = append(errs, fmt.Errorf("invalid window %s: must be at least 1s (a bare number in JSON is nanoseconds; write \"60s\")", w))
+	} else if w > MaxWindow {
+		errs = append(errs, fmt.Errorf("invalid window %s: must be at most %s", w, MaxWindow))
+	} else if w%time.Second != 0 {
+		errs = append(errs, fmt.Errorf("invalid window %s: must be a whole number of seconds", w))
+	}
+	if !validZoneName(rl.Zone) {
+		errs = append(errs, fmt.Errorf("invalid zone %q: use letters, digits and _ - . : only", rl.Zone))
+	}
+	if rl.Key != "" && !strings.Contains(rl.Key, "{") {
+		errs = append(errs, fmt.Errorf("invalid key %q: must hold a placeholder such as {http.request.header.X-API-Key}, or every client would share one counter", rl.Key))
 	}
 	if rl.MaxTracked != 0 && rl.MaxTracked < MinMaxTracked {
 		errs = append(errs, fmt.Errorf("invalid max_tracked %d: must be at least %d", rl.MaxTracked, MinMaxTracked))
@@ -346,8 +374,8 @@ func (rl *RateLimit) check() error {
 	default:
 		errs = append(errs, fmt.Errorf("invalid headers %q: must be legacy, ietf, both or none", rl.Headers))
 	}
-	if rl.GCInterval < 0 {
-		errs = append(errs, fmt.Errorf("invalid gc_interval %s: must be positive", time.Duration(rl.GCInterval)))
+	if g := time.Duration(rl.GCInterval); g < 0 || (g > 0 && g < time.Second) {
+		errs = append(errs, fmt.Errorf("invalid gc_interval %s: must be at least 1s", g))
 	}
 	if rl.WSMaxConnectionsPerIP < 0 {
 		errs = append(errs, fmt.Errorf("invalid ws_max_connections_per_ip %d: must be at least 1, or 0 for no cap", rl.WSMaxConnectionsPerIP))
@@ -372,6 +400,20 @@ func (rl *RateLimit) isEnabled() bool {
 func (rl *RateLimit) zoneSettings() string {
 	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t store=%s",
 		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
+}
+
+// validZoneName reports whether name is a usable zone name: it appears in
+// header values, admin API paths and Redis keys, so it is kept to a plain
+// token. "" is valid (the default zone).
+func validZoneName(name string) bool {
+	for _, c := range name {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '-', c == '.', c == ':':
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // ceilSeconds converts nanoseconds to whole seconds, rounding up.

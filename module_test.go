@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
@@ -68,3 +69,50 @@ type headerWriter struct{ h http.Header }
 func (w *headerWriter) Header() http.Header         { return w.h }
 func (w *headerWriter) Write(p []byte) (int, error) { return len(p), nil }
 func (w *headerWriter) WriteHeader(int)             {}
+
+// keyOf provisions nothing: it resolves the key rl would count a request
+// from ip with the given headers under.
+func keyOf(t *testing.T, rl *RateLimit, ip string, headers ...string) string {
+	t.Helper()
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	for i := 0; i+1 < len(headers); i += 2 {
+		r.Header.Set(headers[i], headers[i+1])
+	}
+	repl := caddyhttp.NewTestReplacer(r)
+	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
+	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip})
+	return rl.key(r.WithContext(ctx), repl)
+}
+
+func TestCustomKey(t *testing.T) {
+	long := strings.Repeat("x", 10_000)
+	for _, tc := range []struct {
+		name, key string
+		headers   []string
+		want      string
+	}{
+		{"header", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", "alice"}, "key:alice"},
+		// A client cannot spend another client's IP counter by naming it.
+		{"header holding an IP", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", "203.0.113.5"}, "key:203.0.113.5"},
+		{"missing header", "{http.request.header.X-Api-Key}", nil, "198.51.100.1"},
+		{"missing header with fixed text", "{http.request.header.X-Api-Key}-x", nil, "198.51.100.1"},
+		{"mistyped placeholder", "{http.request.heder.X-Api-Key}", []string{"X-Api-Key", "alice"}, "198.51.100.1"},
+		{"two parts", "{http.request.header.X-Tenant}/{http.request.header.X-User}", []string{"X-User", "bob"}, "key:/bob"},
+		{"long key is hashed", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", long}, "key:sha256:"},
+		{"client_ip is the IP key", "{client_ip}", nil, "198.51.100.1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			rl := &RateLimit{Zone: "custom_key", Key: tc.key}
+			if err := rl.Provision(ctx); err != nil {
+				t.Fatal(err)
+			}
+			defer rl.Cleanup()
+			got := keyOf(t, rl, "198.51.100.1", tc.headers...)
+			if got != tc.want && !(strings.HasSuffix(tc.want, "sha256:") && strings.HasPrefix(got, tc.want) && len(got) == len(tc.want)+32) {
+				t.Fatalf("key = %q, want %q", got, tc.want)
+			}
+		})
+	}
+}

@@ -116,6 +116,8 @@ func (s *MemoryStore) Hit(_ context.Context, key string, now time.Time, limit Li
 	} else if t >= e.reset {
 		e.count, e.refused = 0, 0
 		e.reset = t + int64(limit.Window)
+	} else if e.reset > t+int64(limit.Window) {
+		e.reset = t + int64(limit.Window) // a reload shortened the window
 	}
 	v := Verdict{Limit: limit.Max}
 	if e.count < int64(limit.Max) {

@@ -281,3 +281,22 @@ func ExampleMemoryStore() {
 	// true 0 0s
 	// false 0 1m0s
 }
+
+// A reload that shortens the window applies to a running window at once; a
+// longer one applies from the next window.
+func TestMemoryStoreWindowChange(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	hit(t, s, "k", t0, Limit{Window: time.Hour, Max: 1})
+	v := hit(t, s, "k", t0.Add(time.Minute), Limit{Window: time.Minute, Max: 1})
+	if v.Allowed || !v.Reset.Equal(t0.Add(2*time.Minute)) {
+		t.Fatalf("after shortening = %+v, want refused until %v", v, t0.Add(2*time.Minute))
+	}
+	if v := hit(t, s, "k", t0.Add(2*time.Minute), Limit{Window: time.Minute, Max: 1}); !v.Allowed {
+		t.Fatalf("at the shortened reset = %+v, want a fresh window", v)
+	}
+	v = hit(t, s, "k", t0.Add(150*time.Second), Limit{Window: time.Hour, Max: 5})
+	if !v.Allowed || !v.Reset.Equal(t0.Add(3*time.Minute)) {
+		t.Fatalf("after lengthening = %+v, want the running window kept until %v", v, t0.Add(3*time.Minute))
+	}
+}

@@ -8,27 +8,27 @@
 -- Returns {allowed (1|0), count, milliseconds to reset, refused}.
 local max = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
+-- left returns the milliseconds to the window's end, setting the expiry when
+-- the key has none (so no key outlives its window) or more than one window
+-- left (so a reload that shortens the window applies to running windows).
+local function left()
+	local ttl = redis.call('PTTL', KEYS[1])
+	if ttl < 0 or ttl > window then
+		redis.call('PEXPIRE', KEYS[1], window)
+		ttl = window
+	end
+	return ttl
+end
 local count = tonumber(redis.call('GET', KEYS[1]) or '0')
-local ttl
 if count < max then
 	count = redis.call('INCR', KEYS[1])
 	if count == 1 then
 		redis.call('PEXPIRE', KEYS[1], window)
-		ttl = window
-	else
-		ttl = redis.call('PTTL', KEYS[1])
-		if ttl < 0 then -- never let a key outlive its window
-			redis.call('PEXPIRE', KEYS[1], window)
-			ttl = window
-		end
+		return {1, count, window, 0}
 	end
-	return {1, count, ttl, 0}
+	return {1, count, left(), 0}
 end
-ttl = redis.call('PTTL', KEYS[1])
-if ttl < 0 then
-	redis.call('PEXPIRE', KEYS[1], window)
-	ttl = window
-end
+local ttl = left()
 local refused = redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ttl)
 return {0, count, ttl, refused}

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,8 +35,14 @@ type zone struct {
 	redis     *RedisStore
 	redisConn string
 
-	// Settings of the most recently provisioned config naming the zone,
-	// for the admin API.
+	// holders are the handlers holding the zone, in provisioning order; the
+	// zone runs with the settings of the newest, so that a reload applies
+	// its settings and a failed reload, whose handlers let go, restores the
+	// running config's.
+	mu      sync.Mutex
+	holders []*RateLimit
+
+	// Settings of the newest holder, for the admin API.
 	enabled atomic.Bool
 	limit   atomic.Pointer[Limit]
 
@@ -118,8 +125,27 @@ func newZone(rl *RateLimit) *zone {
 	return z
 }
 
-// apply takes the settings of a newly provisioned handler, so that a reload
-// that changes them takes effect without dropping the zone's counts.
+// hold records that rl uses the zone and applies its settings.
+func (z *zone) hold(rl *RateLimit) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	z.holders = append(z.holders, rl)
+	z.apply(rl)
+}
+
+// release records that rl no longer uses the zone, and applies the settings
+// of the newest handler still holding it.
+func (z *zone) release(rl *RateLimit) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	z.holders = slices.DeleteFunc(z.holders, func(h *RateLimit) bool { return h == rl })
+	if n := len(z.holders); n > 0 {
+		z.apply(z.holders[n-1])
+	}
+}
+
+// apply takes the settings of a handler, so that a reload that changes them
+// takes effect without dropping the zone's counts. newZone and hold call it.
 func (z *zone) apply(rl *RateLimit) {
 	lim := rl.limit
 	z.limit.Store(&lim)
@@ -171,17 +197,21 @@ func (rl *RateLimit) poolKey() string {
 }
 
 // loadZones records, for each config being loaded, the settings every zone
-// was given, so that two handlers of one config cannot name the same zone with
-// different settings. An entry goes when its config's context ends.
-var loadZones sync.Map // context.Context → *sync.Map (zone name → settings string)
+// was given, so that two handlers of one config, in one server or in two,
+// cannot name the same zone with different settings. An entry goes when the
+// config's context ends.
+var loadZones sync.Map // config identity → *sync.Map (zone name → settings string)
 
-// claimZone records that a handler of the config whose context is ctx names
-// zone with settings, and fails if another handler of that config named the
-// zone with different ones.
-func claimZone(ctx context.Context, zone, settings string) error {
-	perLoad, loaded := loadZones.LoadOrStore(ctx, new(sync.Map))
+// claimZone records that a handler of the config identified by load (ctx is
+// that config's context) names zone with settings, and fails if another
+// handler of that config named the zone with different ones.
+func claimZone(ctx context.Context, load any, zone, settings string) error {
+	if load == nil {
+		return nil
+	}
+	perLoad, loaded := loadZones.LoadOrStore(load, new(sync.Map))
 	if !loaded {
-		context.AfterFunc(ctx, func() { loadZones.Delete(ctx) })
+		context.AfterFunc(ctx, func() { loadZones.Delete(load) })
 	}
 	prev, loaded := perLoad.(*sync.Map).LoadOrStore(zone, settings)
 	if loaded && prev.(string) != settings {

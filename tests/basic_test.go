@@ -3,13 +3,13 @@ package tests
 import (
 	"encoding/json"
 	"fmt"
-	"strings"
-
-	"github.com/caddyserver/caddy/v2/caddytest"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
 )
 
 // Six quick requests with max 5: five 200s counting down, then a 429 with
@@ -154,6 +154,14 @@ func TestReloadKeepsCounts(t *testing.T) {
 	resp, _ = s.get("/")
 	wantStatus(t, resp, http.StatusTooManyRequests)
 	wantHeader(t, resp, "X-RateLimit-Remaining", "0")
+
+	// A shorter window applies to the running window at once.
+	s.reload("", fmt.Sprintf(site, "5", 3))
+	resp, _ = s.get("/")
+	reset, err := strconv.ParseInt(resp.Header.Get("X-RateLimit-Reset"), 10, 64)
+	if err != nil || reset > time.Now().Unix()+6 {
+		t.Fatalf("X-RateLimit-Reset = %q after shortening the window to 5s, want within 5s", resp.Header.Get("X-RateLimit-Reset"))
+	}
 }
 
 // With the peer trusted, X-Forwarded-For names the client; without, a spoofed
@@ -308,9 +316,39 @@ func TestLoadErrors(t *testing.T) {
 		// The admin API returns the error inside a JSON string, quotes escaped.
 		caddytest.AssertLoadError(t, cfg, "caddyfile", tc.want)
 	}
+	// Two servers naming one zone differently: a load error too, and the
+	// failed load leaves the running zone's settings as they were.
+	cfg := fmt.Sprintf(globals, adminPort, s.Port, freePort(), "") + fmt.Sprintf(`
+:%d {
+	rate_limit {
+		zone loaderr
+		max 7
+	}
+	respond "new"
+}
+:%d {
+	rate_limit {
+		zone loaderr
+		max 8
+	}
+	respond "other"
+}
+`, s.Port, freePort())
+	caddytest.AssertLoadError(t, cfg, "caddyfile", `zone \"loaderr\" is configured twice with different settings`)
+
 	resp, body := s.get("/")
 	if body != "ok" {
 		t.Fatalf("body = %q after failed loads, want the old config's ok", body)
 	}
 	wantStatus(t, resp, http.StatusOK)
+	var summary []struct {
+		Name string `json:"name"`
+		Max  int    `json:"max"`
+	}
+	adminJSON(t, "/rate_limit/", &summary)
+	for _, z := range summary {
+		if z.Name == "loaderr" && z.Max != 1 {
+			t.Fatalf("zone loaderr has max %d after a failed reload, want the running config's 1", z.Max)
+		}
+	}
 }

@@ -266,7 +266,7 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 		for n := 0; ; n++ {
 			key := fmt.Sprintf("back-%s-%d", mode, n)
 			r := do(mode, key)
-			counted := rdb.Exists(context.Background(), fmt.Sprintf("caddy_rate_limit:redis_kill_%s:{%s}:c", mode, key)).Val() == 1
+			counted := rdb.Exists(context.Background(), fmt.Sprintf("caddy_rate_limit:redis_kill_%s:{key:%s}:c", mode, key)).Val() == 1
 			if counted && r.status == http.StatusOK {
 				break
 			}
