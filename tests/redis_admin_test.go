@@ -96,7 +96,7 @@ func TestRedisAdminAPI(t *testing.T) {
 	t.Run("zones", func(t *testing.T) {
 		z := zoneSummary(t, zone)
 		want := map[string]any{"status": "active", "enabled": true, "store": "redis", "health": "HEALTHY",
-			"algorithm": "fixed", "window_seconds": 60.0, "max": 3.0, "rejected_total": 5.0}
+			"algorithm": "fixed", "window_seconds": 60.0, "max": 3.0, "tracked_keys": 5.0, "rejected_total": 5.0}
 		for k, v := range want {
 			if z[k] != v {
 				t.Errorf("%s = %v, want %v (zone %v)", k, z[k], v, z)
@@ -219,8 +219,8 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 	h21, h22, h23 := hmacHex(secret, "203.0.113.21"), hmacHex(secret, "203.0.113.22"), hmacHex(secret, "198.51.100.23")
 
 	z := zoneSummary(t, zone)
-	if z["store"] != "redis" || z["health"] != "HEALTHY" || z["hashed_keys"] != true {
-		t.Errorf("zone = %v, want store redis, health HEALTHY, hashed_keys true", z)
+	if z["store"] != "redis" || z["health"] != "HEALTHY" || z["hashed_keys"] != true || z["tracked_keys"] != 3.0 {
+		t.Errorf("zone = %v, want store redis, health HEALTHY, hashed_keys true, tracked_keys 3", z)
 	}
 
 	var got hashedKeyList
