@@ -71,7 +71,7 @@ func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 		if err := allowMethod(w, r, http.MethodGet); err != nil {
 			return err
 		}
-		return writeJSON(w, listZones())
+		return writeJSON(w, listZones(r.Context()))
 	}
 	rawZone, rawKey, hasKey := strings.Cut(rest, "/")
 	name, err := url.PathUnescape(rawZone)
@@ -145,7 +145,10 @@ type ZoneInfo struct {
 	WindowSeconds int64 `json:"window_seconds"`
 	// Max is the number of requests admitted per key per window.
 	Max int `json:"max"`
-	// TrackedKeys is the number of keys the store tracks now.
+	// TrackedKeys is the number of keys the store tracks now. For a
+	// Redis zone they are counted in Redis (all instances' keys); while
+	// the store is DEGRADED, or if Redis fails to answer, it is the keys of
+	// this instance's local fallback store.
 	TrackedKeys int `json:"tracked_keys"`
 	// RejectedTotal is the number of requests refused since the zone was
 	// created; config reloads do not reset it.
@@ -379,7 +382,7 @@ func (z *zone) currentLimit() Limit {
 }
 
 // info describes the zone for the zone list.
-func (z *zone) info() ZoneInfo {
+func (z *zone) info(ctx context.Context) ZoneInfo {
 	lim := z.currentLimit()
 	zi := ZoneInfo{
 		Name:                 z.name,
@@ -389,7 +392,7 @@ func (z *zone) info() ZoneInfo {
 		Algorithm:            "fixed",
 		WindowSeconds:        int64(lim.Window / time.Second),
 		Max:                  lim.Max,
-		TrackedKeys:          z.store.Len(),
+		TrackedKeys:          z.trackedKeys(ctx),
 		RejectedTotal:        z.results[resultLimited].Load(),
 		WebSocketConnections: z.wsLive.Load(),
 		Health:               z.health(),
@@ -404,11 +407,33 @@ func (z *zone) info() ZoneInfo {
 	return zi
 }
 
+// trackedKeysTimeout bounds the count of a Redis zone's keys in the zone
+// list.
+const trackedKeysTimeout = time.Second
+
+// trackedKeys returns the number of keys the zone tracks now. A Redis
+// store's Len counts only its local fallback store, so a Redis zone's keys
+// are counted in Redis: a SCAN, paid for by the admin API only, never by
+// requests or metrics. While the store is degraded it is not asked, and if
+// it fails the local count stands in: the fallback is what decides then.
+func (z *zone) trackedKeys(ctx context.Context) int {
+	if z.redis == nil || z.redis.Health() == HealthDegraded {
+		return z.store.Len()
+	}
+	ctx, cancel := context.WithTimeout(ctx, trackedKeysTimeout)
+	defer cancel()
+	n := 0
+	if err := z.redis.Range(ctx, time.Now(), func(KeyState) bool { n++; return true }); err != nil {
+		return z.store.Len()
+	}
+	return n
+}
+
 // listZones describes every zone a loaded config names, sorted by name.
-func listZones() []ZoneInfo {
+func listZones(ctx context.Context) []ZoneInfo {
 	out := []ZoneInfo{}
 	for _, z := range liveZones() {
-		out = append(out, z.info())
+		out = append(out, z.info(ctx))
 	}
 	slices.SortFunc(out, func(a, b ZoneInfo) int { return strings.Compare(a.Name, b.Name) })
 	return out

@@ -14,7 +14,7 @@ var (
 		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, store_error).",
 		[]string{"zone", "result"}, nil)
 	trackedKeysDesc = prometheus.NewDesc("caddy_rate_limit_tracked_keys",
-		"Keys the zone's store tracks now.",
+		"Keys the zone's store tracks now in this process (for a Redis zone, its local fallback store's).",
 		[]string{"zone"}, nil)
 	evictionsDesc = prometheus.NewDesc("caddy_rate_limit_evictions_total",
 		"Live keys evicted to make room for new ones because the zone tracked max_tracked keys.",

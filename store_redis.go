@@ -61,6 +61,9 @@ const (
 	defaultProbeEvery = 500 * time.Millisecond
 	// probeTimeout is the least time a probe waits for its ping.
 	probeTimeout = time.Second
+	// refusedFlushEvery is how often the refusals answered from the
+	// in-process cache are added to the refused tallies in Redis.
+	refusedFlushEvery = time.Second
 )
 
 // ErrRedisDegraded is the error a degraded RedisStore reports, without
@@ -92,7 +95,8 @@ type RedisStoreOptions struct {
 // RedisStore is a Store whose counters live in Redis, so that every Caddy
 // instance sharing the Redis shares the limit. Each decision is one atomic
 // Lua call; a key known to be over its limit is refused in-process until its
-// window resets, so a flood costs Redis nothing.
+// window resets, so a flood costs Redis nothing per request (Run adds the
+// refusals so answered to the key's refused tally once a second).
 //
 // When Redis fails or times out, the store applies its on_error mode. After
 // repeated failures it is DEGRADED and stops waiting on Redis; a probe run by
@@ -302,18 +306,53 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 }
 
 // Run probes Redis whenever the store is degraded, until it is healthy
-// again, and sweeps the local fallback store every interval(); it returns
-// when ctx is done.
+// again, adds the refusals answered in-process to the tallies in Redis every
+// second while it is not degraded, and sweeps the local fallback store every
+// interval(); it returns when ctx is done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.RunSweeper(ctx, interval)
+	tick := time.NewTicker(refusedFlushEvery)
+	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-s.wake:
+			s.probe(ctx)
+		case <-tick.C:
+			if s.state.Load() != stateDegraded {
+				fctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
+				if err := s.flushRefused(fctx); err != nil {
+					s.logger.Debug("adding cached refusals to redis", zap.Error(err))
+				}
+				cancel()
+			}
 		}
-		s.probe(ctx)
 	}
+}
+
+// flushRefused adds the refusals the in-process cache answered since the
+// last flush to the keys' refused tallies in Redis, so that the admin
+// listing (of any instance) counts every refused request, not only the
+// first of each window. The tally expires with the window the cache entry
+// belongs to. Counts whose write fails are dropped: they are statistics,
+// never verdicts.
+func (s *RedisStore) flushRefused(ctx context.Context) error {
+	pending := s.refused.drain()
+	if len(pending) == 0 {
+		return nil
+	}
+	// One transaction per page keeps each INCRBY with its PEXPIREAT, so no
+	// tally outlives its window; a Cluster client splits it by slot.
+	_, err := s.client.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
+		for _, p := range pending {
+			k := s.base(s.tag(p.key)) + "r"
+			pipe.IncrBy(ctx, k, int64(p.n))
+			pipe.PExpireAt(ctx, k, time.Unix(0, p.reset))
+		}
+		return nil
+	})
+	return err
 }
 
 // probe pings Redis every probeEvery until the store is healthy or ctx is
@@ -376,6 +415,9 @@ func (s *RedisStore) Len() int { return s.local.Len() }
 // counts and expiries in one pipeline. With hashed keys, KeyState.Key is the
 // hash (see HashedKeys).
 func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
+	if err := s.flushRefused(ctx); err != nil {
+		return fmt.Errorf("adding cached refusals to redis: %w", err)
+	}
 	// ForEachMaster scans a Cluster's masters concurrently: fn is called
 	// one at a time all the same.
 	var mu sync.Mutex
@@ -525,6 +567,7 @@ func escapeGlob(s string) string {
 type refusedCache struct {
 	seed     maphash.Seed
 	shardCap atomic.Int64
+	dirty    atomic.Bool // some entry has pending refusals
 	shards   [16]refusedShard
 }
 
@@ -536,8 +579,17 @@ type refusedShard struct {
 
 // refusedEntry is one key known to be over its limit.
 type refusedEntry struct {
-	reset int64 // Unix nanoseconds at which the window resets
-	max   int   // the limit it is over: a raised limit ignores the entry
+	reset   int64 // Unix nanoseconds at which the window resets
+	max     int   // the limit it is over: a raised limit ignores the entry
+	pending int   // refusals answered from the cache, not yet tallied in Redis
+}
+
+// pendingRefusals are the refusals of one key that the cache answered and
+// Redis has not counted yet.
+type pendingRefusals struct {
+	key   string
+	reset int64
+	n     int
 }
 
 func (c *refusedCache) init(maxKeys int) {
@@ -556,20 +608,51 @@ func (c *refusedCache) shard(key string) *refusedShard {
 	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
 }
 
-// get returns the reset time of key if it is known to be over limitMax at t.
+// get returns the reset time of key if it is known to be over limitMax at t,
+// and then counts one refusal for drain.
 func (c *refusedCache) get(key string, t int64, limitMax int) (int64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
+	defer sh.mu.Unlock()
 	e, ok := sh.m[key]
-	if ok && t >= e.reset {
-		delete(sh.m, key)
-		ok = false
-	}
-	sh.mu.Unlock()
-	if !ok || limitMax > e.max {
+	if !ok {
 		return 0, false
 	}
+	if t >= e.reset {
+		delete(sh.m, key)
+		return 0, false
+	}
+	if limitMax > e.max {
+		return 0, false
+	}
+	e.pending++
+	sh.m[key] = e
+	if !c.dirty.Load() { // a flood reads the flag, never writes it
+		c.dirty.Store(true)
+	}
 	return e.reset, true
+}
+
+// drain returns the refusals counted by get since the last drain and
+// zeroes them.
+func (c *refusedCache) drain() []pendingRefusals {
+	if !c.dirty.Swap(false) {
+		return nil
+	}
+	var out []pendingRefusals
+	for i := range c.shards {
+		sh := &c.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			if e.pending > 0 {
+				out = append(out, pendingRefusals{key: k, reset: e.reset, n: e.pending})
+				e.pending = 0
+				sh.m[k] = e
+			}
+		}
+		sh.mu.Unlock()
+	}
+	return out
 }
 
 // put records that key is over limitMax until reset.
