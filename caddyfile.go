@@ -68,14 +68,10 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			continue
 		}
-		if !d.NextArg() {
-			return d.ArgErr()
+		val, err := oneArg(d, opt)
+		if err != nil {
+			return err
 		}
-		val := d.Val()
-		if d.NextArg() {
-			return d.Errf("%s takes one argument, got extra %q", opt, d.Val())
-		}
-		var err error
 		switch opt {
 		case "zone":
 			rl.Zone = val
@@ -173,14 +169,10 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 			sc.TLS = true
 			continue
 		}
-		if !d.NextArg() {
-			return d.ArgErr()
+		val, err := oneArg(d, opt)
+		if err != nil {
+			return err
 		}
-		val := d.Val()
-		if d.NextArg() {
-			return d.Errf("%s takes one argument, got extra %q", opt, d.Val())
-		}
-		var err error
 		switch opt {
 		case "url":
 			sc.URL = val
@@ -220,6 +212,19 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 	}
 	rl.Store = sc
 	return nil
+}
+
+// oneArg returns the single argument of option opt, or an error if it has
+// none or more than one.
+func oneArg(d *caddyfile.Dispenser, opt string) (string, error) {
+	if !d.NextArg() {
+		return "", d.ArgErr()
+	}
+	val := d.Val()
+	if d.NextArg() {
+		return "", d.Errf("%s takes one argument, got extra %q", opt, d.Val())
+	}
+	return val, nil
 }
 
 // parseInt parses a whole number of at least lowest for option opt.

@@ -83,10 +83,6 @@ func TestMemoryStoreFIFOEviction(t *testing.T) {
 	t.Parallel()
 	s := NewMemoryStore(1000)
 	lim := Limit{Window: time.Hour, Max: 10}
-	capacity := s.MaxTracked()
-	if capacity > 1000 || capacity < 900 {
-		t.Fatalf("MaxTracked = %d, want close to 1000 and not above", capacity)
-	}
 	// Fill well past the bound with live windows, one key per millisecond.
 	n := 5000
 	for i := range n {
