@@ -208,7 +208,8 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 		return d.Err("store redis needs an address or a url")
 	}
 	if len(sc.Addresses) > 0 && sc.URL != "" {
-		return d.Errf("store redis takes an address or a url, not both: got url %q and address %q", sc.URL, sc.Addresses[0])
+		// The url is not printed: it may hold a password.
+		return d.Errf("store redis takes an address or a url, not both: got a url and address %q", sc.Addresses[0])
 	}
 	rl.Store = sc
 	return nil

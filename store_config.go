@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 	"time"
 
@@ -124,7 +125,8 @@ func (sc *StoreConfig) check() error {
 		errs = append(errs, errors.New("redis store needs an address or a url"))
 	}
 	if len(sc.Addresses) > 0 && sc.URL != "" {
-		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got url %q and address %q", sc.URL, sc.Addresses[0]))
+		// The url is not printed: it may hold a password.
+		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got a url and address %q", sc.Addresses[0]))
 	}
 	for _, a := range sc.Addresses {
 		if a == "" {
@@ -188,7 +190,7 @@ func (sc *StoreConfig) provision() error {
 		u := repl.ReplaceKnown(sc.URL, "")
 		o, err := redis.ParseURL(u)
 		if err != nil {
-			return fmt.Errorf("invalid redis url %q: %v", sc.URL, err)
+			return fmt.Errorf("invalid redis url (%s): %v", sc.urlSource(), redactURLError(err))
 		}
 		opts.Addrs = []string{o.Addr}
 		opts.Username, opts.Password, opts.DB, opts.TLSConfig = o.Username, o.Password, o.DB, o.TLSConfig
@@ -221,6 +223,32 @@ func (sc *StoreConfig) provision() error {
 		strings.Join(opts.Addrs, ","), opts.MasterName, opts.Username, digest(opts.Password), opts.DB, tlsOn)
 	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)))
 	return nil
+}
+
+// urlSource names the configured url for an error message without printing
+// it, as the url may hold a password: "from {env.X}" when it is a single
+// placeholder, else "redacted".
+func (sc *StoreConfig) urlSource() string {
+	u := sc.URL
+	if len(u) > 2 && u[0] == '{' && u[len(u)-1] == '}' && !strings.ContainsAny(u[1:len(u)-1], "{}") {
+		return "from " + u
+	}
+	return "redacted"
+}
+
+// redactURLError returns the cause of a url parse error without the url,
+// which url.Error quotes in full, password included. An invalid escape is
+// not quoted either: it may be part of the password.
+func redactURLError(err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err
+	}
+	var ee url.EscapeError
+	if errors.As(err, &ee) {
+		return errors.New("invalid URL escape")
+	}
+	return err
 }
 
 // describe names the store for an error message, without secrets.
