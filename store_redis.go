@@ -183,7 +183,7 @@ func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
 // on_error is deny; with allow or local the verdict has StoreError set.
 func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	t := now.UnixNano()
-	if reset, ok := s.refused.get(key, t, limit.Max); ok {
+	if reset, ok := s.refused.get(key, t, limit); ok {
 		return Verdict{
 			Limit:      limit.Max,
 			Reset:      time.Unix(0, reset),
@@ -608,9 +608,9 @@ func (c *refusedCache) shard(key string) *refusedShard {
 	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
 }
 
-// get returns the reset time of key if it is known to be over limitMax at t,
+// get returns the reset time of key if it is known to be over limit at t,
 // and then counts one refusal for drain.
-func (c *refusedCache) get(key string, t int64, limitMax int) (int64, bool) {
+func (c *refusedCache) get(key string, t int64, limit Limit) (int64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -618,11 +618,14 @@ func (c *refusedCache) get(key string, t int64, limitMax int) (int64, bool) {
 	if !ok {
 		return 0, false
 	}
-	if t >= e.reset {
+	// An entry resetting later than a window from now was cached under a
+	// longer window (a reload shortened it): Redis, which clamps the
+	// window, decides instead.
+	if t >= e.reset || e.reset-t > int64(limit.Window) {
 		delete(sh.m, key)
 		return 0, false
 	}
-	if limitMax > e.max {
+	if limit.Max > e.max {
 		return 0, false
 	}
 	e.pending++

@@ -128,6 +128,35 @@ func TestRedisStoreRefusesLocally(t *testing.T) {
 	}
 }
 
+// A key cached as refused under a long window is not refused for that long
+// once a reload shortens the window: the decision goes back to Redis,
+// whose script clamps the key's expiry to the new window.
+func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
+	srv := redistest.Start(t)
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	long := Limit{Window: time.Hour, Max: 1}
+	now := time.Now()
+	s.Hit(ctx, "k", now, long)
+	if v, _ := s.Hit(ctx, "k", now, long); v.Allowed {
+		t.Fatal("2nd hit admitted with max 1")
+	}
+	if v, _ := s.Hit(ctx, "k", now.Add(3*time.Second), long); v.Allowed || v.RetryAfter < 59*time.Minute {
+		t.Fatalf("same window 3s on: %+v, want a refusal for about an hour", v)
+	}
+
+	short := Limit{Window: 2 * time.Second, Max: 1}
+	v, err := s.Hit(ctx, "k", now.Add(3*time.Second), short)
+	if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
+		t.Fatalf("window shortened to 2s: %+v, %v; want a refusal by redis within the 2s window", v, err)
+	}
+	srv.Sleep(2100 * time.Millisecond)
+	v, err = s.Hit(ctx, "k", now.Add(6*time.Second), short)
+	if err != nil || !v.Allowed {
+		t.Fatalf("2s window over: %+v, %v; want the key admitted", v, err)
+	}
+}
+
 // A flood from a key over its limit costs Redis nothing: after the first
 // refusal, every refusal is decided in-process.
 func TestRedisStoreFloodCostsNothing(t *testing.T) {
