@@ -57,9 +57,9 @@ const (
 	// recoverAfter consecutive successes (probes or decisions) make a
 	// recovering store healthy.
 	recoverAfter = 3
-	// defaultProbeEvery is how often a degraded store pings Redis.
+	// defaultProbeEvery is how often a degraded store probes Redis.
 	defaultProbeEvery = 500 * time.Millisecond
-	// probeTimeout is the least time a probe waits for its ping.
+	// probeTimeout is the least time a probe waits for its answer.
 	probeTimeout = time.Second
 	// refusedFlushEvery is how often the refusals answered from the
 	// in-process cache are added to the refused tallies in Redis.
@@ -355,8 +355,8 @@ func (s *RedisStore) flushRefused(ctx context.Context) error {
 	return err
 }
 
-// probe pings Redis every probeEvery until the store is healthy or ctx is
-// done.
+// probe runs probeOnce every probeEvery until the store is healthy or ctx
+// is done.
 func (s *RedisStore) probe(ctx context.Context) {
 	timer := time.NewTimer(s.probeEvery)
 	defer timer.Stop()
@@ -368,9 +368,9 @@ func (s *RedisStore) probe(ctx context.Context) {
 		}
 		// A probe keeps no request waiting, so it may take longer than a
 		// decision: after a restart it must dial (and maybe handshake TLS
-		// and authenticate) before its ping.
+		// and authenticate) before its script runs.
 		pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
-		err := s.client.Ping(pctx).Err()
+		err := s.probeOnce(pctx)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
@@ -385,6 +385,20 @@ func (s *RedisStore) probe(ctx context.Context) {
 		}
 		timer.Reset(s.probeEvery)
 	}
+}
+
+// probeTag names the key the probe decides on. No client key has this form
+// (client keys are addresses or start with "key:"; hashed ones are hex), and
+// Range skips it.
+const probeTag = "__probe"
+
+// probeOnce runs the decision script on the probe key, with a limit no probe
+// reaches and a one-second window. A PING would answer while decisions still
+// fail (out of memory, a read-only replica, a script error), and the store
+// would cycle between degraded and recovering.
+func (s *RedisStore) probeOnce(ctx context.Context) error {
+	base := s.base(probeTag)
+	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r"}, 1<<30, 1000).Err()
 }
 
 // tag returns the part of the Redis keys that names the client: the key
@@ -505,6 +519,9 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 		}
 		refused, _ := rows[i].refused.Int()
 		tag := strings.TrimSuffix(strings.TrimPrefix(k, s.prefix+"{"), "}:c")
+		if tag == probeTag {
+			continue
+		}
 		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Reset: now.Add(ttl)}) {
 			return errStopRange
 		}

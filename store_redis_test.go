@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
@@ -154,6 +156,72 @@ func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 	v, err = s.Hit(ctx, "k", now.Add(6*time.Second), short)
 	if err != nil || !v.Allowed {
 		t.Fatalf("2s window over: %+v, %v; want the key admitted", v, err)
+	}
+}
+
+// A Redis that answers PING but fails every decision (here: out of memory)
+// keeps the store DEGRADED: the probe runs the decision script, so the
+// store does not cycle through RECOVERING. Once Redis takes writes again
+// the store is HEALTHY by itself.
+func TestRedisStoreProbeUsesScript(t *testing.T) {
+	srv := redistest.Start(t)
+	if srv.Kind != redistest.KindReal {
+		t.Skipf("%s has no maxmemory", srv.Kind)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Logger: zap.New(core)})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 10}
+	if v, err := s.Hit(ctx, "warm", time.Now(), lim); err != nil || v.StoreError {
+		t.Fatalf("first hit: %+v, %v", v, err)
+	}
+	for _, kv := range [][2]string{{"maxmemory-policy", "noeviction"}, {"maxmemory", "1"}} {
+		if err := client.ConfigSet(ctx, kv[0], kv[1]).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := client.Ping(ctx).Err(); err != nil {
+		t.Fatalf("PING under maxmemory 1: %v, want PONG", err)
+	}
+	if err := client.Incr(ctx, "oom-check").Err(); err == nil || !strings.Contains(err.Error(), "OOM") {
+		t.Fatalf("INCR under maxmemory 1: %v, want OOM", err)
+	}
+
+	for i := range degradeAfter {
+		if v, _ := s.Hit(ctx, fmt.Sprintf("oom-%d", i), time.Now(), lim); !v.StoreError {
+			t.Fatalf("hit %d under OOM: %+v, want a store error", i, v)
+		}
+	}
+	// Twenty probe intervals: the health never leaves DEGRADED.
+	for deadline := time.Now().Add(20 * s.probeEvery); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if h := s.Health(); h != HealthDegraded {
+			t.Fatalf("health = %s while redis is out of memory, want DEGRADED", h)
+		}
+	}
+	if n := logs.FilterMessageSnippet("redis store degraded").Len(); n != 1 {
+		t.Errorf("%d changes to DEGRADED logged, want 1", n)
+	}
+	if n := logs.FilterMessageSnippet("redis store recovering").Len(); n != 0 {
+		t.Errorf("%d changes to RECOVERING logged while redis is out of memory, want 0", n)
+	}
+
+	if err := client.ConfigSet(ctx, "maxmemory", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); s.Health() != HealthHealthy; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("health = %s 5s after redis took writes again, want HEALTHY", s.Health())
+		}
+	}
+	// The probe key is not a client's: the listing skips it.
+	err := s.Range(ctx, time.Now(), func(ks KeyState) bool {
+		if ks.Key == probeTag {
+			t.Errorf("Range lists the probe key: %+v", ks)
+		}
+		return true
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 
