@@ -322,7 +322,7 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 		case <-tick.C:
 			if s.state.Load() != stateDegraded {
 				fctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
-				if err := s.flushRefused(fctx); err != nil {
+				if err := s.flushRefused(fctx, time.Now()); err != nil {
 					s.logger.Debug("adding cached refusals to redis", zap.Error(err))
 				}
 				cancel()
@@ -335,25 +335,45 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 // last flush to the keys' refused tallies in Redis, so that the admin
 // listing (of any instance) counts every refused request, not only the
 // first of each window. The tally expires with the window the cache entry
-// belongs to. Counts whose write fails are dropped: they are statistics,
-// never verdicts.
-func (s *RedisStore) flushRefused(ctx context.Context) error {
+// belongs to; entries whose window has reset at now are dropped. Counts
+// whose write fails are dropped too: they are statistics, never verdicts.
+func (s *RedisStore) flushRefused(ctx context.Context, now time.Time) error {
 	pending := s.refused.drain()
-	if len(pending) == 0 {
-		return nil
-	}
-	// One transaction per page keeps each INCRBY with its PEXPIREAT, so no
-	// tally outlives its window; a Cluster client splits it by slot.
-	_, err := s.client.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
-		for _, p := range pending {
+	// Plain pipelines of flushPage keys, not one MULTI/EXEC: a transaction
+	// over a flood of keys would hold Redis for every other client until it
+	// ran to the end. An INCRBY whose PEXPIRE is lost with its connection
+	// leaves a tally without expiry until the key's next refusal sets one.
+	// The expiry is relative, so the local clock need not agree with
+	// Redis's.
+	var errs []error
+	for len(pending) > 0 {
+		page := pending[:min(len(pending), flushPage)]
+		pending = pending[len(page):]
+		pipe := s.client.Pipeline()
+		for _, p := range page {
+			ttl := time.Duration(p.reset - now.UnixNano())
+			if ttl < time.Millisecond {
+				continue
+			}
 			k := s.base(s.tag(p.key)) + "r"
 			pipe.IncrBy(ctx, k, int64(p.n))
-			pipe.PExpireAt(ctx, k, time.Unix(0, p.reset))
+			pipe.PExpire(ctx, k, ttl)
 		}
-		return nil
-	})
-	return err
+		if pipe.Len() == 0 {
+			continue
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			errs = append(errs, err)
+			if ctx.Err() != nil {
+				break
+			}
+		}
+	}
+	return errors.Join(errs...)
 }
+
+// flushPage is how many keys one pipeline of flushRefused writes.
+const flushPage = 500
 
 // probe runs probeOnce every probeEvery until the store is healthy or ctx
 // is done.
@@ -429,7 +449,7 @@ func (s *RedisStore) Len() int { return s.local.Len() }
 // counts and expiries in one pipeline. With hashed keys, KeyState.Key is the
 // hash (see HashedKeys).
 func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
-	if err := s.flushRefused(ctx); err != nil {
+	if err := s.flushRefused(ctx, now); err != nil {
 		return fmt.Errorf("adding cached refusals to redis: %w", err)
 	}
 	// ForEachMaster scans a Cluster's masters concurrently: fn is called

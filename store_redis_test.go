@@ -73,7 +73,7 @@ func TestRedisStoreVerdicts(t *testing.T) {
 	// script, the 5th (refused from the local cache, without a round trip)
 	// by the next flush of the cache's refusals, here at once.
 	base := s.base("10.0.0.1")
-	if err := s.flushRefused(ctx); err != nil {
+	if err := s.flushRefused(ctx, now); err != nil {
 		t.Fatal(err)
 	}
 	if n, _ := client.Get(ctx, base+"c").Int(); n != 3 {
@@ -222,6 +222,62 @@ func TestRedisStoreProbeUsesScript(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The refusals answered in-process are added to Redis in pages of plain
+// pipelines, not one transaction, each tally expiring when its window
+// resets; a window that has reset by the flush is not written.
+func TestRedisStoreFlushRefusedPages(t *testing.T) {
+	srv := redistest.Start(t)
+	_, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	// Not running: Run's own flush must not drain the cache first.
+	s := NewRedisStore(RedisStoreOptions{Client: client, Prefix: "flush:"})
+	ctx := context.Background()
+	now := time.Now()
+	lim := Limit{Window: time.Minute, Max: 1}
+	keys := 2*flushPage + 7
+	for i := range keys {
+		k := fmt.Sprintf("10.2.%d.%d", i/256, i%256)
+		s.refused.put(k, now.Add(10*time.Second).UnixNano(), 1, now.UnixNano())
+		s.refused.get(k, now.UnixNano(), lim)
+		s.refused.get(k, now.UnixNano(), lim)
+	}
+	s.refused.put("gone", now.Add(time.Second).UnixNano(), 1, now.UnixNano())
+	s.refused.get("gone", now.UnixNano(), lim)
+	if srv.Kind == redistest.KindReal {
+		if err := client.ConfigResetStat(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	if err := s.flushRefused(ctx, now.Add(2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range keys {
+		k := s.base(fmt.Sprintf("10.2.%d.%d", i/256, i%256)) + "r"
+		if n, _ := client.Get(ctx, k).Int(); n != 2 {
+			t.Fatalf("tally of %s = %d, want 2", k, n)
+		}
+		if ttl := client.PTTL(ctx, k).Val(); ttl <= 7*time.Second || ttl > 8*time.Second {
+			t.Fatalf("PTTL %s = %s, want about 8s (the reset 10s on, flushed 2s on)", k, ttl)
+		}
+	}
+	if n := client.Exists(ctx, s.base("gone")+"r").Val(); n != 0 {
+		t.Error("a tally was written for a window that had reset")
+	}
+	if srv.Kind == redistest.KindReal {
+		info := client.Info(ctx, "commandstats").Val()
+		if strings.Contains(info, "cmdstat_multi:") {
+			t.Errorf("the flush ran a transaction:\n%s", info)
+		}
+	}
+	// Drained: a second flush writes nothing.
+	if err := s.flushRefused(ctx, now.Add(2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := client.Get(ctx, s.base("10.2.0.0")+"r").Int(); n != 2 {
+		t.Errorf("tally after a second flush = %d, want 2", n)
 	}
 }
 
