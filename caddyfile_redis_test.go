@@ -63,6 +63,7 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 		{name: "tls with a value", input: "rate_limit {\n store redis {\n address a:1\n tls yes\n }\n}", wantErr: `tls takes no argument, got "yes"`},
 		{name: "extra argument", input: "rate_limit {\n store redis {\n address a:1\n username a b\n }\n}", wantErr: `username takes one argument, got extra "b"`},
 		{name: "unknown option", input: "rate_limit {\n store redis {\n address a:1\n pool_size 9\n }\n}", wantErr: `unrecognized store redis option "pool_size"`},
+		{name: "key_prefix with a brace", input: "rate_limit {\n store redis {\n address a:1\n key_prefix rl{x}:\n }\n}", wantErr: `invalid key_prefix "rl{x}:"`},
 		{name: "address without value", input: "rate_limit {\n store redis {\n address\n }\n}", wantErr: "wrong argument count"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -128,9 +129,13 @@ func TestStoreConfigProvision(t *testing.T) {
 		{StoreConfig{Type: "disk"}, `invalid store type "disk"`},
 		{StoreConfig{Addresses: []string{"a:1"}}, "store \"memory\" takes no options"},
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, OnError: "maybe"}, `invalid on_error "maybe"`},
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, KeyPrefix: "rl}"}, `invalid key_prefix "rl}"`},
 	} {
 		if err := tc.sc.provision(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 			t.Errorf("%+v: error %v, want one containing %q", tc.sc, err, tc.wantErr)
+		}
+		if err := (&RateLimit{Store: &tc.sc}).Validate(); tc.sc.check() != nil && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
+			t.Errorf("%+v: Validate error %v, want one containing %q", tc.sc, err, tc.wantErr)
 		}
 	}
 }

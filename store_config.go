@@ -73,8 +73,9 @@ type StoreConfig struct {
 	TLS bool `json:"tls,omitempty"`
 
 	// KeyPrefix starts every key the store writes, followed by the zone
-	// name, so several zones and applications can share one Redis.
-	// Default: "caddy_rate_limit:".
+	// name, so several zones and applications can share one Redis. It may
+	// not hold { or } (the keys' Cluster hash tag). Default:
+	// "caddy_rate_limit:".
 	KeyPrefix string `json:"key_prefix,omitempty"`
 
 	// Timeout bounds the Redis round trip of one decision; past it the
@@ -132,6 +133,9 @@ func (sc *StoreConfig) check() error {
 		if a == "" {
 			errs = append(errs, errors.New("invalid redis address \"\": must be host:port"))
 		}
+	}
+	if strings.ContainsAny(sc.KeyPrefix, "{}") {
+		errs = append(errs, fmt.Errorf("invalid key_prefix %q: must not hold { or }, which would break the keys' Redis Cluster hash tag", sc.KeyPrefix))
 	}
 	if sc.DB < 0 {
 		errs = append(errs, fmt.Errorf("invalid db %d: must be 0 or more", sc.DB))
