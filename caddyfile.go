@@ -46,7 +46,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			db         <n>                # default 0
 //			tls                           # optional
 //			key_prefix <prefix>           # default caddy_rate_limit:
-//			timeout    <duration>         # per decision; default 100ms
+//			timeout    <duration>         # per decision, at most 10s; default 100ms
 //			on_error   local|allow|deny   # default local
 //			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
 //		}

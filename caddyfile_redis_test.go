@@ -59,6 +59,7 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 		{name: "bad on_error", input: "rate_limit {\n store redis {\n address a:1\n on_error maybe\n }\n}", wantErr: `invalid on_error "maybe"`},
 		{name: "bad timeout", input: "rate_limit {\n store redis {\n address a:1\n timeout soon\n }\n}", wantErr: `invalid timeout "soon"`},
 		{name: "zero timeout", input: "rate_limit {\n store redis {\n address a:1\n timeout 0s\n }\n}", wantErr: `invalid timeout "0s"`},
+		{name: "timeout over 10s", input: "rate_limit {\n store redis {\n address a:1\n timeout 11s\n }\n}", wantErr: `invalid timeout 11s: must be at most 10s`},
 		{name: "bad db", input: "rate_limit {\n store redis {\n address a:1\n db -1\n }\n}", wantErr: `invalid db "-1"`},
 		{name: "tls with a value", input: "rate_limit {\n store redis {\n address a:1\n tls yes\n }\n}", wantErr: `tls takes no argument, got "yes"`},
 		{name: "extra argument", input: "rate_limit {\n store redis {\n address a:1\n username a b\n }\n}", wantErr: `username takes one argument, got extra "b"`},

@@ -25,6 +25,10 @@ const (
 const (
 	DefaultRedisKeyPrefix = "caddy_rate_limit:"
 	DefaultRedisTimeout   = 100 * time.Millisecond
+
+	// MaxRedisTimeout is the longest timeout accepted, and the client's
+	// read and write timeout.
+	MaxRedisTimeout = 10 * time.Second
 )
 
 // redisClients holds the Redis clients, one per distinct connection config.
@@ -79,7 +83,7 @@ type StoreConfig struct {
 	KeyPrefix string `json:"key_prefix,omitempty"`
 
 	// Timeout bounds the Redis round trip of one decision; past it the
-	// decision is made as on_error says. Default: 100ms.
+	// decision is made as on_error says. At most 10s. Default: 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// OnError says what happens to a request when Redis fails or times
@@ -142,6 +146,8 @@ func (sc *StoreConfig) check() error {
 	}
 	if sc.Timeout < 0 {
 		errs = append(errs, fmt.Errorf("invalid timeout %s: must be positive", time.Duration(sc.Timeout)))
+	} else if time.Duration(sc.Timeout) > MaxRedisTimeout {
+		errs = append(errs, fmt.Errorf("invalid timeout %s: must be at most %s", time.Duration(sc.Timeout), MaxRedisTimeout))
 	}
 	switch sc.OnError {
 	case "", OnErrorLocal, OnErrorAllow, OnErrorDeny:
@@ -202,15 +208,20 @@ func (sc *StoreConfig) provision() error {
 	if len(opts.Addrs) > 1 && opts.MasterName == "" && opts.DB != 0 {
 		return fmt.Errorf("invalid db %d: a Redis Cluster (several addresses) has only db 0", opts.DB)
 	}
-	// Every decision carries its own deadline (timeout); these only bound
-	// what no context does. Retries are off: a retried script after a lost
-	// reply could count one request twice.
+	// Every command the store sends carries a context deadline (timeout for
+	// a decision), and with ContextTimeoutEnabled that deadline bounds the
+	// socket reads and writes. The read and write timeouts bound them too,
+	// the earlier of the two winning, so they are MaxRedisTimeout, the
+	// longest timeout accepted, never below it; they still bound what the
+	// client sends with no deadline of its own (a Cluster's background
+	// state reloads and latency pings). Retries are off: a retried script
+	// after a lost reply could count one request twice.
 	opts.ContextTimeoutEnabled = true
 	opts.MaxRetries = -1
 	opts.DialTimeout = time.Second
 	opts.DialerRetries = 1 // a refused dial is retried by the next decision, not within this one
-	opts.ReadTimeout = time.Second
-	opts.WriteTimeout = time.Second
+	opts.ReadTimeout = MaxRedisTimeout
+	opts.WriteTimeout = MaxRedisTimeout
 	sc.opts = opts
 
 	sc.hashKey = nil

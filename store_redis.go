@@ -169,6 +169,12 @@ func (s *RedisStore) SetMaxTracked(n int) {
 	s.refused.setCap(n)
 }
 
+// slowTimeout bounds one step of work no request waits on (a flush, a
+// Range page, a Forget): the decision timeout, but at least a second.
+func (s *RedisStore) slowTimeout() time.Duration {
+	return max(time.Duration(s.timeout.Load()), time.Second)
+}
+
 // Health returns HealthHealthy, HealthDegraded or HealthRecovering.
 func (s *RedisStore) Health() string { return stateNames[s.state.Load()] }
 
@@ -321,7 +327,7 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 			s.probe(ctx)
 		case <-tick.C:
 			if s.state.Load() != stateDegraded {
-				fctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
+				fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 				if err := s.flushRefused(fctx, time.Now()); err != nil {
 					s.logger.Debug("adding cached refusals to redis", zap.Error(err))
 				}
@@ -449,7 +455,10 @@ func (s *RedisStore) Len() int { return s.local.Len() }
 // counts and expiries in one pipeline. With hashed keys, KeyState.Key is the
 // hash (see HashedKeys).
 func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
-	if err := s.flushRefused(ctx, now); err != nil {
+	fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	err := s.flushRefused(fctx, now)
+	cancel()
+	if err != nil {
 		return fmt.Errorf("adding cached refusals to redis: %w", err)
 	}
 	// ForEachMaster scans a Cluster's masters concurrently: fn is called
@@ -465,7 +474,6 @@ func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState)
 		stopped = !fn(ks)
 		return !stopped
 	}
-	var err error
 	if cc, ok := s.client.(*redis.ClusterClient); ok {
 		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
 			return s.scan(ctx, c, now, call)
@@ -496,14 +504,18 @@ func (s *RedisStore) scan(ctx context.Context, c scanner, now time.Time, fn func
 	pattern := escapeGlob(s.prefix) + "{*}:c"
 	var cursor uint64
 	for {
-		keys, next, err := c.Scan(ctx, cursor, pattern, scanPage).Result()
-		if err != nil {
-			return fmt.Errorf("scanning redis keys %q: %w", pattern, err)
+		// Each step has its own deadline: the client has no read timeout
+		// (see StoreConfig.provision) and ctx may have none.
+		sctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+		keys, next, err := c.Scan(sctx, cursor, pattern, scanPage).Result()
+		if err == nil && len(keys) > 0 {
+			err = s.readPage(sctx, c, keys, now, fn)
+		} else if err != nil {
+			err = fmt.Errorf("scanning redis keys %q: %w", pattern, err)
 		}
-		if len(keys) > 0 {
-			if err := s.readPage(ctx, c, keys, now, fn); err != nil {
-				return err
-			}
+		cancel()
+		if err != nil {
+			return err
 		}
 		if next == 0 {
 			return nil
@@ -553,7 +565,7 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 // hash Range lists. Other Caddy instances may still refuse the key from
 // their local cache until its window would have reset.
 func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
-	ctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	tags := []string{s.tag(key)}
 	if s.hashKey != nil && isHexHash(key) {
