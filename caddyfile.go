@@ -46,7 +46,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			db         <n>                # default 0
 //			tls                           # optional
 //			key_prefix <prefix>           # default caddy_rate_limit:
-//			timeout    <duration>         # per decision; default 100ms
+//			timeout    <duration>         # per decision, at most 10s; default 100ms
 //			on_error   local|allow|deny   # default local
 //			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
 //		}
@@ -208,7 +208,8 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 		return d.Err("store redis needs an address or a url")
 	}
 	if len(sc.Addresses) > 0 && sc.URL != "" {
-		return d.Errf("store redis takes an address or a url, not both: got url %q and address %q", sc.URL, sc.Addresses[0])
+		// The url is not printed: it may hold a password.
+		return d.Errf("store redis takes an address or a url, not both: got a url and address %q", sc.Addresses[0])
 	}
 	rl.Store = sc
 	return nil

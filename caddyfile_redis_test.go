@@ -1,11 +1,13 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/json"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -57,10 +59,12 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 		{name: "bad on_error", input: "rate_limit {\n store redis {\n address a:1\n on_error maybe\n }\n}", wantErr: `invalid on_error "maybe"`},
 		{name: "bad timeout", input: "rate_limit {\n store redis {\n address a:1\n timeout soon\n }\n}", wantErr: `invalid timeout "soon"`},
 		{name: "zero timeout", input: "rate_limit {\n store redis {\n address a:1\n timeout 0s\n }\n}", wantErr: `invalid timeout "0s"`},
+		{name: "timeout over 10s", input: "rate_limit {\n store redis {\n address a:1\n timeout 11s\n }\n}", wantErr: `invalid timeout 11s: must be at most 10s`},
 		{name: "bad db", input: "rate_limit {\n store redis {\n address a:1\n db -1\n }\n}", wantErr: `invalid db "-1"`},
 		{name: "tls with a value", input: "rate_limit {\n store redis {\n address a:1\n tls yes\n }\n}", wantErr: `tls takes no argument, got "yes"`},
 		{name: "extra argument", input: "rate_limit {\n store redis {\n address a:1\n username a b\n }\n}", wantErr: `username takes one argument, got extra "b"`},
 		{name: "unknown option", input: "rate_limit {\n store redis {\n address a:1\n pool_size 9\n }\n}", wantErr: `unrecognized store redis option "pool_size"`},
+		{name: "key_prefix with a brace", input: "rate_limit {\n store redis {\n address a:1\n key_prefix rl{x}:\n }\n}", wantErr: `invalid key_prefix "rl{x}:"`},
 		{name: "address without value", input: "rate_limit {\n store redis {\n address\n }\n}", wantErr: "wrong argument count"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -121,14 +125,74 @@ func TestStoreConfigProvision(t *testing.T) {
 		wantErr string
 	}{
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, HashKeys: "{env.RL_TEST_UNSET_SECRET}"}, "invalid hash_keys"},
-		{StoreConfig{Type: StoreRedis, URL: "http://x"}, `invalid redis url "http://x"`},
+		{StoreConfig{Type: StoreRedis, URL: "http://x"}, `invalid redis url (redacted): redis: invalid URL scheme: http`},
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1", "b:1"}, DB: 1}, "invalid db 1"},
 		{StoreConfig{Type: "disk"}, `invalid store type "disk"`},
 		{StoreConfig{Addresses: []string{"a:1"}}, "store \"memory\" takes no options"},
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, OnError: "maybe"}, `invalid on_error "maybe"`},
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, KeyPrefix: "rl}"}, `invalid key_prefix "rl}"`},
 	} {
 		if err := tc.sc.provision(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 			t.Errorf("%+v: error %v, want one containing %q", tc.sc, err, tc.wantErr)
 		}
+		if err := (&RateLimit{Store: &tc.sc}).Validate(); tc.sc.check() != nil && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
+			t.Errorf("%+v: Validate error %v, want one containing %q", tc.sc, err, tc.wantErr)
+		}
+	}
+}
+
+// No error prints a redis url or its password: not a url that fails to
+// parse, written literally or as a placeholder, nor one given with an
+// address, in Provision, Validate or the Caddyfile parser.
+func TestStoreConfigRedactsURL(t *testing.T) {
+	const bad = "redis://rl:hunter2@redis.example:notaport/0"
+	t.Setenv("RL_TEST_REDIS_URL", bad)
+	for _, tc := range []struct {
+		name, url string
+		address   string
+		wantErr   string
+	}{
+		{name: "literal", url: bad, wantErr: `invalid redis url (redacted): invalid port ":notaport" after host`},
+		{name: "placeholder", url: "{env.RL_TEST_REDIS_URL}", wantErr: `invalid redis url (from {env.RL_TEST_REDIS_URL}): invalid port`},
+		{name: "bad escape", url: "redis://rl:hunter2%zz@redis.example:6379", wantErr: "invalid redis url (redacted): invalid URL escape"},
+		{name: "with an address", url: bad, address: "10.0.0.1:6379", wantErr: `not both: got a url and address "10.0.0.1:6379"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store := func() *StoreConfig {
+				sc := &StoreConfig{Type: StoreRedis, URL: tc.url}
+				if tc.address != "" {
+					sc.Addresses = []string{tc.address}
+				}
+				return sc
+			}
+			errs := map[string]error{}
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			rl := &RateLimit{Zone: "redact_" + strings.ReplaceAll(tc.name, " ", "_"), Store: store()}
+			errs["Provision"] = rl.Provision(ctx)
+			input := "rate_limit {\n store redis {\n url " + tc.url + "\n }\n}"
+			if tc.address != "" {
+				// Validate reads the url only to see it is set with an address.
+				errs["Validate"] = (&RateLimit{Store: store()}).Validate()
+				input = "rate_limit {\n store redis {\n address " + tc.address + "\n url " + tc.url + "\n }\n}"
+				errs["Caddyfile"] = new(RateLimit).UnmarshalCaddyfile(caddyfile.NewTestDispenser(input))
+			} else {
+				// The parser keeps the url as written: provisioning what it
+				// parsed is where the url is read.
+				parsed := new(RateLimit)
+				if err := parsed.UnmarshalCaddyfile(caddyfile.NewTestDispenser(input)); err != nil {
+					t.Fatal(err)
+				}
+				errs["Caddyfile, provisioned"] = parsed.Store.provision()
+			}
+			for name, err := range errs {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Errorf("%s: error = %v, want one containing %q", name, err, tc.wantErr)
+				}
+				if err != nil && strings.Contains(err.Error(), "hunter2") {
+					t.Errorf("%s: the error prints the password: %v", name, err)
+				}
+			}
+		})
 	}
 }

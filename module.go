@@ -39,6 +39,10 @@ const (
 	MinMaxTracked = 1000
 )
 
+// statusClientClosedRequest is the status of a request whose client went
+// away before it was decided, as Caddy's reverse proxy reports it.
+const statusClientClosedRequest = 499
+
 // Header modes: which quota headers a response carries.
 const (
 	HeadersLegacy = "legacy" // X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset
@@ -266,6 +270,12 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	now := rl.now()
 	v, err := rl.zone.store.Hit(r.Context(), key, now, rl.limit)
 	if err != nil {
+		if r.Context().Err() != nil {
+			// The client went away while the store decided: no fault of
+			// the store, and no one to answer. 499 is what Caddy's
+			// reverse proxy reports for a client that closed the request.
+			return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
+		}
 		rl.zone.count(resultStoreError)
 		w.Header().Set("Retry-After", "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))

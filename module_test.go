@@ -9,6 +9,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
 // A request with no client IP and no custom key is passed on uncounted and
@@ -112,6 +114,55 @@ func TestCustomKey(t *testing.T) {
 			got := keyOf(t, rl, "198.51.100.1", tc.headers...)
 			if got != tc.want && !(strings.HasSuffix(tc.want, "sha256:") && strings.HasPrefix(got, tc.want) && len(got) == len(tc.want)+32) {
 				t.Fatalf("key = %q, want %q", got, tc.want)
+			}
+		})
+	}
+}
+
+// A client that goes away while a Redis zone decides gets 499, the status
+// Caddy's reverse proxy gives a closed request, not 503, and the request is
+// not counted as a store error: Redis did nothing wrong.
+func TestRedisClientGoneNotStoreError(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, onError := range []string{OnErrorLocal, OnErrorAllow, OnErrorDeny} {
+		t.Run(onError, func(t *testing.T) {
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			rl := &RateLimit{Zone: "client_gone_" + onError, Max: 10, Store: &StoreConfig{Type: StoreRedis, Addresses: []string{srv.Addr}, OnError: onError}}
+			if err := rl.Provision(ctx); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { rl.Cleanup() })
+
+			r := httptest.NewRequest(http.MethodGet, "/", nil)
+			rctx, gone := context.WithCancel(context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer()))
+			rctx = context.WithValue(rctx, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "10.9.0.1"})
+			gone()
+			w := httptest.NewRecorder()
+			called := false
+			err := rl.ServeHTTP(w, r.WithContext(rctx), caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+				called = true
+				return nil
+			}))
+			herr, ok := err.(caddyhttp.HandlerError)
+			if !ok || herr.StatusCode != 499 {
+				t.Fatalf("ServeHTTP = %v, want a 499 handler error", err)
+			}
+			if called {
+				t.Error("the next handler ran for a request the store did not decide")
+			}
+			if n := rl.zone.results[resultStoreError].Load(); n != 0 {
+				t.Errorf("store_error count = %d, want 0", n)
+			}
+			if ra := w.Header().Get("Retry-After"); ra != "" {
+				t.Errorf("Retry-After = %q for a client that is gone", ra)
+			}
+			// A live request is still decided by Redis.
+			if code := serve(t, rl, "10.9.0.1"); code != http.StatusOK {
+				t.Errorf("live request: status %d, want 200", code)
+			}
+			if n := rl.zone.results[resultAllowed].Load(); n != 1 {
+				t.Errorf("allowed count = %d, want 1", n)
 			}
 		})
 	}

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 	"time"
 
@@ -24,6 +25,10 @@ const (
 const (
 	DefaultRedisKeyPrefix = "caddy_rate_limit:"
 	DefaultRedisTimeout   = 100 * time.Millisecond
+
+	// MaxRedisTimeout is the longest timeout accepted, and the client's
+	// read and write timeout.
+	MaxRedisTimeout = 10 * time.Second
 )
 
 // redisClients holds the Redis clients, one per distinct connection config.
@@ -72,12 +77,13 @@ type StoreConfig struct {
 	TLS bool `json:"tls,omitempty"`
 
 	// KeyPrefix starts every key the store writes, followed by the zone
-	// name, so several zones and applications can share one Redis.
-	// Default: "caddy_rate_limit:".
+	// name, so several zones and applications can share one Redis. It may
+	// not hold { or } (the keys' Cluster hash tag). Default:
+	// "caddy_rate_limit:".
 	KeyPrefix string `json:"key_prefix,omitempty"`
 
 	// Timeout bounds the Redis round trip of one decision; past it the
-	// decision is made as on_error says. Default: 100ms.
+	// decision is made as on_error says. At most 10s. Default: 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// OnError says what happens to a request when Redis fails or times
@@ -124,18 +130,24 @@ func (sc *StoreConfig) check() error {
 		errs = append(errs, errors.New("redis store needs an address or a url"))
 	}
 	if len(sc.Addresses) > 0 && sc.URL != "" {
-		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got url %q and address %q", sc.URL, sc.Addresses[0]))
+		// The url is not printed: it may hold a password.
+		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got a url and address %q", sc.Addresses[0]))
 	}
 	for _, a := range sc.Addresses {
 		if a == "" {
 			errs = append(errs, errors.New("invalid redis address \"\": must be host:port"))
 		}
 	}
+	if strings.ContainsAny(sc.KeyPrefix, "{}") {
+		errs = append(errs, fmt.Errorf("invalid key_prefix %q: must not hold { or }, which would break the keys' Redis Cluster hash tag", sc.KeyPrefix))
+	}
 	if sc.DB < 0 {
 		errs = append(errs, fmt.Errorf("invalid db %d: must be 0 or more", sc.DB))
 	}
 	if sc.Timeout < 0 {
 		errs = append(errs, fmt.Errorf("invalid timeout %s: must be positive", time.Duration(sc.Timeout)))
+	} else if time.Duration(sc.Timeout) > MaxRedisTimeout {
+		errs = append(errs, fmt.Errorf("invalid timeout %s: must be at most %s", time.Duration(sc.Timeout), MaxRedisTimeout))
 	}
 	switch sc.OnError {
 	case "", OnErrorLocal, OnErrorAllow, OnErrorDeny:
@@ -188,7 +200,7 @@ func (sc *StoreConfig) provision() error {
 		u := repl.ReplaceKnown(sc.URL, "")
 		o, err := redis.ParseURL(u)
 		if err != nil {
-			return fmt.Errorf("invalid redis url %q: %v", sc.URL, err)
+			return fmt.Errorf("invalid redis url (%s): %v", sc.urlSource(), redactURLError(err))
 		}
 		opts.Addrs = []string{o.Addr}
 		opts.Username, opts.Password, opts.DB, opts.TLSConfig = o.Username, o.Password, o.DB, o.TLSConfig
@@ -196,15 +208,20 @@ func (sc *StoreConfig) provision() error {
 	if len(opts.Addrs) > 1 && opts.MasterName == "" && opts.DB != 0 {
 		return fmt.Errorf("invalid db %d: a Redis Cluster (several addresses) has only db 0", opts.DB)
 	}
-	// Every decision carries its own deadline (timeout); these only bound
-	// what no context does. Retries are off: a retried script after a lost
-	// reply could count one request twice.
+	// Every command the store sends carries a context deadline (timeout for
+	// a decision), and with ContextTimeoutEnabled that deadline bounds the
+	// socket reads and writes. The read and write timeouts bound them too,
+	// the earlier of the two winning, so they are MaxRedisTimeout, the
+	// longest timeout accepted, never below it; they still bound what the
+	// client sends with no deadline of its own (a Cluster's background
+	// state reloads and latency pings). Retries are off: a retried script
+	// after a lost reply could count one request twice.
 	opts.ContextTimeoutEnabled = true
 	opts.MaxRetries = -1
 	opts.DialTimeout = time.Second
 	opts.DialerRetries = 1 // a refused dial is retried by the next decision, not within this one
-	opts.ReadTimeout = time.Second
-	opts.WriteTimeout = time.Second
+	opts.ReadTimeout = MaxRedisTimeout
+	opts.WriteTimeout = MaxRedisTimeout
 	sc.opts = opts
 
 	sc.hashKey = nil
@@ -221,6 +238,32 @@ func (sc *StoreConfig) provision() error {
 		strings.Join(opts.Addrs, ","), opts.MasterName, opts.Username, digest(opts.Password), opts.DB, tlsOn)
 	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)))
 	return nil
+}
+
+// urlSource names the configured url for an error message without printing
+// it, as the url may hold a password: "from {env.X}" when it is a single
+// placeholder, else "redacted".
+func (sc *StoreConfig) urlSource() string {
+	u := sc.URL
+	if len(u) > 2 && u[0] == '{' && u[len(u)-1] == '}' && !strings.ContainsAny(u[1:len(u)-1], "{}") {
+		return "from " + u
+	}
+	return "redacted"
+}
+
+// redactURLError returns the cause of a url parse error without the url,
+// which url.Error quotes in full, password included. An invalid escape is
+// not quoted either: it may be part of the password.
+func redactURLError(err error) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = ue.Err
+	}
+	var ee url.EscapeError
+	if errors.As(err, &ee) {
+		return errors.New("invalid URL escape")
+	}
+	return err
 }
 
 // describe names the store for an error message, without secrets.

@@ -57,9 +57,9 @@ const (
 	// recoverAfter consecutive successes (probes or decisions) make a
 	// recovering store healthy.
 	recoverAfter = 3
-	// defaultProbeEvery is how often a degraded store pings Redis.
+	// defaultProbeEvery is how often a degraded store probes Redis.
 	defaultProbeEvery = 500 * time.Millisecond
-	// probeTimeout is the least time a probe waits for its ping.
+	// probeTimeout is the least time a probe waits for its answer.
 	probeTimeout = time.Second
 	// refusedFlushEvery is how often the refusals answered from the
 	// in-process cache are added to the refused tallies in Redis.
@@ -169,6 +169,12 @@ func (s *RedisStore) SetMaxTracked(n int) {
 	s.refused.setCap(n)
 }
 
+// slowTimeout bounds one step of work no request waits on (a flush, a
+// Range page, a Forget): the decision timeout, but at least a second.
+func (s *RedisStore) slowTimeout() time.Duration {
+	return max(time.Duration(s.timeout.Load()), time.Second)
+}
+
 // Health returns HealthHealthy, HealthDegraded or HealthRecovering.
 func (s *RedisStore) Health() string { return stateNames[s.state.Load()] }
 
@@ -183,7 +189,7 @@ func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
 // on_error is deny; with allow or local the verdict has StoreError set.
 func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	t := now.UnixNano()
-	if reset, ok := s.refused.get(key, t, limit.Max); ok {
+	if reset, ok := s.refused.get(key, t, limit); ok {
 		return Verdict{
 			Limit:      limit.Max,
 			Reset:      time.Unix(0, reset),
@@ -321,8 +327,8 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 			s.probe(ctx)
 		case <-tick.C:
 			if s.state.Load() != stateDegraded {
-				fctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
-				if err := s.flushRefused(fctx); err != nil {
+				fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+				if err := s.flushRefused(fctx, time.Now()); err != nil {
 					s.logger.Debug("adding cached refusals to redis", zap.Error(err))
 				}
 				cancel()
@@ -335,28 +341,48 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 // last flush to the keys' refused tallies in Redis, so that the admin
 // listing (of any instance) counts every refused request, not only the
 // first of each window. The tally expires with the window the cache entry
-// belongs to. Counts whose write fails are dropped: they are statistics,
-// never verdicts.
-func (s *RedisStore) flushRefused(ctx context.Context) error {
+// belongs to; entries whose window has reset at now are dropped. Counts
+// whose write fails are dropped too: they are statistics, never verdicts.
+func (s *RedisStore) flushRefused(ctx context.Context, now time.Time) error {
 	pending := s.refused.drain()
-	if len(pending) == 0 {
-		return nil
-	}
-	// One transaction per page keeps each INCRBY with its PEXPIREAT, so no
-	// tally outlives its window; a Cluster client splits it by slot.
-	_, err := s.client.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
-		for _, p := range pending {
+	// Plain pipelines of flushPage keys, not one MULTI/EXEC: a transaction
+	// over a flood of keys would hold Redis for every other client until it
+	// ran to the end. An INCRBY whose PEXPIRE is lost with its connection
+	// leaves a tally without expiry until the key's next refusal sets one.
+	// The expiry is relative, so the local clock need not agree with
+	// Redis's.
+	var errs []error
+	for len(pending) > 0 {
+		page := pending[:min(len(pending), flushPage)]
+		pending = pending[len(page):]
+		pipe := s.client.Pipeline()
+		for _, p := range page {
+			ttl := time.Duration(p.reset - now.UnixNano())
+			if ttl < time.Millisecond {
+				continue
+			}
 			k := s.base(s.tag(p.key)) + "r"
 			pipe.IncrBy(ctx, k, int64(p.n))
-			pipe.PExpireAt(ctx, k, time.Unix(0, p.reset))
+			pipe.PExpire(ctx, k, ttl)
 		}
-		return nil
-	})
-	return err
+		if pipe.Len() == 0 {
+			continue
+		}
+		if _, err := pipe.Exec(ctx); err != nil {
+			errs = append(errs, err)
+			if ctx.Err() != nil {
+				break
+			}
+		}
+	}
+	return errors.Join(errs...)
 }
 
-// probe pings Redis every probeEvery until the store is healthy or ctx is
-// done.
+// flushPage is how many keys one pipeline of flushRefused writes.
+const flushPage = 500
+
+// probe runs probeOnce every probeEvery until the store is healthy or ctx
+// is done.
 func (s *RedisStore) probe(ctx context.Context) {
 	timer := time.NewTimer(s.probeEvery)
 	defer timer.Stop()
@@ -368,9 +394,9 @@ func (s *RedisStore) probe(ctx context.Context) {
 		}
 		// A probe keeps no request waiting, so it may take longer than a
 		// decision: after a restart it must dial (and maybe handshake TLS
-		// and authenticate) before its ping.
+		// and authenticate) before its script runs.
 		pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
-		err := s.client.Ping(pctx).Err()
+		err := s.probeOnce(pctx)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
@@ -385,6 +411,20 @@ func (s *RedisStore) probe(ctx context.Context) {
 		}
 		timer.Reset(s.probeEvery)
 	}
+}
+
+// probeTag names the key the probe decides on. No client key has this form
+// (client keys are addresses or start with "key:"; hashed ones are hex), and
+// Range skips it.
+const probeTag = "__probe"
+
+// probeOnce runs the decision script on the probe key, with a limit no probe
+// reaches and a one-second window. A PING would answer while decisions still
+// fail (out of memory, a read-only replica, a script error), and the store
+// would cycle between degraded and recovering.
+func (s *RedisStore) probeOnce(ctx context.Context) error {
+	base := s.base(probeTag)
+	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r"}, 1<<30, 1000).Err()
 }
 
 // tag returns the part of the Redis keys that names the client: the key
@@ -415,7 +455,10 @@ func (s *RedisStore) Len() int { return s.local.Len() }
 // counts and expiries in one pipeline. With hashed keys, KeyState.Key is the
 // hash (see HashedKeys).
 func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
-	if err := s.flushRefused(ctx); err != nil {
+	fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	err := s.flushRefused(fctx, now)
+	cancel()
+	if err != nil {
 		return fmt.Errorf("adding cached refusals to redis: %w", err)
 	}
 	// ForEachMaster scans a Cluster's masters concurrently: fn is called
@@ -431,7 +474,6 @@ func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState)
 		stopped = !fn(ks)
 		return !stopped
 	}
-	var err error
 	if cc, ok := s.client.(*redis.ClusterClient); ok {
 		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
 			return s.scan(ctx, c, now, call)
@@ -462,14 +504,18 @@ func (s *RedisStore) scan(ctx context.Context, c scanner, now time.Time, fn func
 	pattern := escapeGlob(s.prefix) + "{*}:c"
 	var cursor uint64
 	for {
-		keys, next, err := c.Scan(ctx, cursor, pattern, scanPage).Result()
-		if err != nil {
-			return fmt.Errorf("scanning redis keys %q: %w", pattern, err)
+		// Each step has its own deadline: the client has no read timeout
+		// (see StoreConfig.provision) and ctx may have none.
+		sctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+		keys, next, err := c.Scan(sctx, cursor, pattern, scanPage).Result()
+		if err == nil && len(keys) > 0 {
+			err = s.readPage(sctx, c, keys, now, fn)
+		} else if err != nil {
+			err = fmt.Errorf("scanning redis keys %q: %w", pattern, err)
 		}
-		if len(keys) > 0 {
-			if err := s.readPage(ctx, c, keys, now, fn); err != nil {
-				return err
-			}
+		cancel()
+		if err != nil {
+			return err
 		}
 		if next == 0 {
 			return nil
@@ -505,6 +551,9 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 		}
 		refused, _ := rows[i].refused.Int()
 		tag := strings.TrimSuffix(strings.TrimPrefix(k, s.prefix+"{"), "}:c")
+		if tag == probeTag {
+			continue
+		}
 		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Reset: now.Add(ttl)}) {
 			return errStopRange
 		}
@@ -516,7 +565,7 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 // hash Range lists. Other Caddy instances may still refuse the key from
 // their local cache until its window would have reset.
 func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
-	ctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), time.Second))
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	tags := []string{s.tag(key)}
 	if s.hashKey != nil && isHexHash(key) {
@@ -608,9 +657,9 @@ func (c *refusedCache) shard(key string) *refusedShard {
 	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
 }
 
-// get returns the reset time of key if it is known to be over limitMax at t,
+// get returns the reset time of key if it is known to be over limit at t,
 // and then counts one refusal for drain.
-func (c *refusedCache) get(key string, t int64, limitMax int) (int64, bool) {
+func (c *refusedCache) get(key string, t int64, limit Limit) (int64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -618,11 +667,14 @@ func (c *refusedCache) get(key string, t int64, limitMax int) (int64, bool) {
 	if !ok {
 		return 0, false
 	}
-	if t >= e.reset {
+	// An entry resetting later than a window from now was cached under a
+	// longer window (a reload shortened it): Redis, which clamps the
+	// window, decides instead.
+	if t >= e.reset || e.reset-t > int64(limit.Window) {
 		delete(sh.m, key)
 		return 0, false
 	}
-	if limitMax > e.max {
+	if limit.Max > e.max {
 		return 0, false
 	}
 	e.pending++

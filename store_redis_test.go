@@ -11,6 +11,10 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
@@ -71,7 +75,7 @@ func TestRedisStoreVerdicts(t *testing.T) {
 	// script, the 5th (refused from the local cache, without a round trip)
 	// by the next flush of the cache's refusals, here at once.
 	base := s.base("10.0.0.1")
-	if err := s.flushRefused(ctx); err != nil {
+	if err := s.flushRefused(ctx, now); err != nil {
 		t.Fatal(err)
 	}
 	if n, _ := client.Get(ctx, base+"c").Int(); n != 3 {
@@ -125,6 +129,184 @@ func TestRedisStoreRefusesLocally(t *testing.T) {
 	// A raised limit does not trust the cache.
 	if v, _ := s.Hit(ctx, "k", now, Limit{Window: time.Minute, Max: 5}); !v.StoreError {
 		t.Errorf("raised limit: %+v, want a decision that went to (the dead) redis", v)
+	}
+}
+
+// A key cached as refused under a long window is not refused for that long
+// once a reload shortens the window: the decision goes back to Redis,
+// whose script clamps the key's expiry to the new window.
+func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
+	srv := redistest.Start(t)
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	long := Limit{Window: time.Hour, Max: 1}
+	now := time.Now()
+	s.Hit(ctx, "k", now, long)
+	if v, _ := s.Hit(ctx, "k", now, long); v.Allowed {
+		t.Fatal("2nd hit admitted with max 1")
+	}
+	if v, _ := s.Hit(ctx, "k", now.Add(3*time.Second), long); v.Allowed || v.RetryAfter < 59*time.Minute {
+		t.Fatalf("same window 3s on: %+v, want a refusal for about an hour", v)
+	}
+
+	short := Limit{Window: 2 * time.Second, Max: 1}
+	v, err := s.Hit(ctx, "k", now.Add(3*time.Second), short)
+	if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
+		t.Fatalf("window shortened to 2s: %+v, %v; want a refusal by redis within the 2s window", v, err)
+	}
+	srv.Sleep(2100 * time.Millisecond)
+	v, err = s.Hit(ctx, "k", now.Add(6*time.Second), short)
+	if err != nil || !v.Allowed {
+		t.Fatalf("2s window over: %+v, %v; want the key admitted", v, err)
+	}
+}
+
+// A Redis that answers PING but fails every decision (here: out of memory)
+// keeps the store DEGRADED: the probe runs the decision script, so the
+// store does not cycle through RECOVERING. Once Redis takes writes again
+// the store is HEALTHY by itself.
+func TestRedisStoreProbeUsesScript(t *testing.T) {
+	srv := redistest.Start(t)
+	if srv.Kind != redistest.KindReal {
+		t.Skipf("%s has no maxmemory", srv.Kind)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Logger: zap.New(core)})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 10}
+	if v, err := s.Hit(ctx, "warm", time.Now(), lim); err != nil || v.StoreError {
+		t.Fatalf("first hit: %+v, %v", v, err)
+	}
+	for _, kv := range [][2]string{{"maxmemory-policy", "noeviction"}, {"maxmemory", "1"}} {
+		if err := client.ConfigSet(ctx, kv[0], kv[1]).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := client.Ping(ctx).Err(); err != nil {
+		t.Fatalf("PING under maxmemory 1: %v, want PONG", err)
+	}
+	if err := client.Incr(ctx, "oom-check").Err(); err == nil || !strings.Contains(err.Error(), "OOM") {
+		t.Fatalf("INCR under maxmemory 1: %v, want OOM", err)
+	}
+
+	for i := range degradeAfter {
+		if v, _ := s.Hit(ctx, fmt.Sprintf("oom-%d", i), time.Now(), lim); !v.StoreError {
+			t.Fatalf("hit %d under OOM: %+v, want a store error", i, v)
+		}
+	}
+	// Twenty probe intervals: the health never leaves DEGRADED.
+	for deadline := time.Now().Add(20 * s.probeEvery); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if h := s.Health(); h != HealthDegraded {
+			t.Fatalf("health = %s while redis is out of memory, want DEGRADED", h)
+		}
+	}
+	if n := logs.FilterMessageSnippet("redis store degraded").Len(); n != 1 {
+		t.Errorf("%d changes to DEGRADED logged, want 1", n)
+	}
+	if n := logs.FilterMessageSnippet("redis store recovering").Len(); n != 0 {
+		t.Errorf("%d changes to RECOVERING logged while redis is out of memory, want 0", n)
+	}
+
+	if err := client.ConfigSet(ctx, "maxmemory", "0").Err(); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); s.Health() != HealthHealthy; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("health = %s 5s after redis took writes again, want HEALTHY", s.Health())
+		}
+	}
+	// The probe key is not a client's: the listing skips it.
+	err := s.Range(ctx, time.Now(), func(ks KeyState) bool {
+		if ks.Key == probeTag {
+			t.Errorf("Range lists the probe key: %+v", ks)
+		}
+		return true
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The refusals answered in-process are added to Redis in pages of plain
+// pipelines, not one transaction, each tally expiring when its window
+// resets; a window that has reset by the flush is not written.
+func TestRedisStoreFlushRefusedPages(t *testing.T) {
+	srv := redistest.Start(t)
+	_, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	// Not running: Run's own flush must not drain the cache first.
+	s := NewRedisStore(RedisStoreOptions{Client: client, Prefix: "flush:"})
+	ctx := context.Background()
+	now := time.Now()
+	lim := Limit{Window: time.Minute, Max: 1}
+	keys := 2*flushPage + 7
+	for i := range keys {
+		k := fmt.Sprintf("10.2.%d.%d", i/256, i%256)
+		s.refused.put(k, now.Add(10*time.Second).UnixNano(), 1, now.UnixNano())
+		s.refused.get(k, now.UnixNano(), lim)
+		s.refused.get(k, now.UnixNano(), lim)
+	}
+	s.refused.put("gone", now.Add(time.Second).UnixNano(), 1, now.UnixNano())
+	s.refused.get("gone", now.UnixNano(), lim)
+	if srv.Kind == redistest.KindReal {
+		if err := client.ConfigResetStat(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	if err := s.flushRefused(ctx, now.Add(2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range keys {
+		k := s.base(fmt.Sprintf("10.2.%d.%d", i/256, i%256)) + "r"
+		if n, _ := client.Get(ctx, k).Int(); n != 2 {
+			t.Fatalf("tally of %s = %d, want 2", k, n)
+		}
+		if ttl := client.PTTL(ctx, k).Val(); ttl <= 7*time.Second || ttl > 8*time.Second {
+			t.Fatalf("PTTL %s = %s, want about 8s (the reset 10s on, flushed 2s on)", k, ttl)
+		}
+	}
+	if n := client.Exists(ctx, s.base("gone")+"r").Val(); n != 0 {
+		t.Error("a tally was written for a window that had reset")
+	}
+	if srv.Kind == redistest.KindReal {
+		info := client.Info(ctx, "commandstats").Val()
+		if strings.Contains(info, "cmdstat_multi:") {
+			t.Errorf("the flush ran a transaction:\n%s", info)
+		}
+	}
+	// Drained: a second flush writes nothing.
+	if err := s.flushRefused(ctx, now.Add(2*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := client.Get(ctx, s.base("10.2.0.0")+"r").Int(); n != 2 {
+		t.Errorf("tally after a second flush = %d, want 2", n)
+	}
+}
+
+// A timeout above a second is the bound of a decision: the client the
+// store config builds has no shorter read timeout that would cut it.
+func TestRedisStoreTimeoutOverASecond(t *testing.T) {
+	srv := redistest.Start(t)
+	sc := &StoreConfig{Type: StoreRedis, Addresses: []string{srv.Addr}, Timeout: caddy.Duration(3 * time.Second)}
+	if err := sc.provision(); err != nil {
+		t.Fatal(err)
+	}
+	client := redis.NewUniversalClient(sc.opts)
+	t.Cleanup(func() { client.Close() })
+	s := NewRedisStore(RedisStoreOptions{Client: client, Prefix: "slow:", Timeout: time.Duration(sc.Timeout)})
+	ctx := context.Background()
+	lim := Limit{Window: time.Minute, Max: 10}
+	if v, err := s.Hit(ctx, "k", time.Now(), lim); err != nil || v.StoreError {
+		t.Fatalf("first hit: %+v, %v", v, err)
+	}
+	if !srv.Pause() {
+		t.Skipf("%s cannot be paused", srv.Kind)
+	}
+	time.AfterFunc(1500*time.Millisecond, srv.Resume)
+	start := time.Now()
+	v, err := s.Hit(ctx, "k", time.Now(), lim)
+	if err != nil || v.StoreError || !v.Allowed || v.Remaining != 8 {
+		t.Fatalf("hit with redis 1.5s slow and a 3s timeout: %+v, %v after %s; want redis's verdict", v, err, time.Since(start))
 	}
 }
 
