@@ -149,6 +149,9 @@ var (
 // A key going over its limit emits one rate_limit_exceeded event per window
 // through the events app, with the zone and key.
 func TestEventExceeded(t *testing.T) {
+	recorded.Lock()
+	recorded.events = nil // a run with -count above 1 starts afresh
+	recorded.Unlock()
 	s := startCaddy(t, trustLoopback+`
 	events {
 		on rate_limit_exceeded test_recorder
