@@ -247,7 +247,7 @@ func parseListQuery(v url.Values) (listQuery, error) {
 // only the best offset+limit matches are kept, so a page of a large zone
 // costs one pass and little memory.
 func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, error) {
-	lim := z.currentLimit()
+	lim, _ := z.settings()
 	k := q.offset + q.limit
 	if k < q.offset { // overflow: keep everything
 		k = math.MaxInt
@@ -373,21 +373,22 @@ func compareRank(a, b KeyState) int {
 	return strings.Compare(a.Key, b.Key)
 }
 
-// currentLimit returns the limit of the config that last named the zone.
-func (z *zone) currentLimit() Limit {
-	if l := z.limit.Load(); l != nil {
-		return *l
+// settings returns the limit and the enabled switch of the config that
+// last named the zone.
+func (z *zone) settings() (Limit, bool) {
+	if h := z.newest(); h != nil {
+		return h.limit, h.isEnabled()
 	}
-	return Limit{Window: DefaultWindow, Max: DefaultMax}
+	return Limit{Window: DefaultWindow, Max: DefaultMax}, true
 }
 
 // info describes the zone for the zone list.
 func (z *zone) info(ctx context.Context) ZoneInfo {
-	lim := z.currentLimit()
+	lim, enabled := z.settings()
 	zi := ZoneInfo{
 		Name:                 z.name,
 		Status:               "active",
-		Enabled:              z.enabled.Load(),
+		Enabled:              enabled,
 		Store:                z.kind(),
 		Algorithm:            "fixed",
 		WindowSeconds:        int64(lim.Window / time.Second),
@@ -400,9 +401,6 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 	}
 	if !zi.Enabled {
 		zi.Status = "disabled"
-	}
-	if a, ok := z.store.(interface{ Algorithm() string }); ok {
-		zi.Algorithm = a.Algorithm()
 	}
 	return zi
 }

@@ -69,8 +69,8 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
 		var evictions uint64
-		if e, ok := z.store.(interface{ Evictions() uint64 }); ok {
-			evictions = e.Evictions()
+		if z.mem != nil {
+			evictions = z.mem.Evictions()
 		}
 		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(evictions), z.name)
 		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)

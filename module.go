@@ -127,13 +127,15 @@ type RateLimit struct {
 	// StoreConfig. Default: {"type": "memory"}.
 	Store *StoreConfig `json:"store,omitempty"`
 
-	zone     *zone
-	limit    Limit
-	byIP     bool   // the key is the client IP (no custom placeholder)
-	keyText  string // what Key resolves to when all its placeholders are empty
-	headers  string
-	limitStr string // Max, formatted once
-	policy   string // RateLimit-Policy value, formatted once
+	zone    *zone
+	limit   Limit
+	byIP    bool   // the key is the client IP (no custom placeholder)
+	keyText string // what Key resolves to when all its placeholders are empty
+	// legacyHeaders and ietfHeaders say which quota headers Headers asks
+	// for, decided once.
+	legacyHeaders, ietfHeaders bool
+	limitStr                   string // Max, formatted once
+	policy                     string // RateLimit-Policy value, formatted once
 	// quotedZone and zoneAny are the zone name as the RateLimit header and
 	// the placeholder take it, made once.
 	quotedZone string
@@ -142,7 +144,6 @@ type RateLimit struct {
 	// refused requests formats nothing. The key is in the log line and the
 	// placeholders.
 	errLimited error
-	now        func() time.Time
 	logger     *zap.Logger
 
 	// events is the config's events app, nil when it has none. Emitting
@@ -163,7 +164,6 @@ func (RateLimit) CaddyModule() caddy.ModuleInfo {
 // Provision fills in defaults, checks the settings and takes the zone.
 func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.logger = ctx.Logger()
-	rl.now = time.Now
 	if rl.Zone == "" {
 		rl.Zone = DefaultZone
 	}
@@ -198,12 +198,13 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max}
 	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
 	rl.keyText = caddy.NewEmptyReplacer().ReplaceAll(rl.Key, "")
-	rl.headers = rl.Headers
+	rl.legacyHeaders = rl.Headers == HeadersLegacy || rl.Headers == HeadersBoth
+	rl.ietfHeaders = rl.Headers == HeadersIETF || rl.Headers == HeadersBoth
 	rl.limitStr = strconv.Itoa(rl.Max)
 	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q: more than %d requests per %s", rl.Zone, rl.Max, rl.limit.Window)
 	rl.quotedZone = strconv.Quote(rl.Zone)
 	rl.zoneAny = rl.Zone
-	rl.policy = fmt.Sprintf("%q;q=%d;w=%d", rl.Zone, rl.Max, int64(rl.limit.Window/time.Second))
+	rl.policy = fmt.Sprintf("%s;q=%d;w=%d", rl.quotedZone, rl.Max, int64(rl.limit.Window/time.Second))
 
 	// The metrics registry is made anew for each config load and shared by
 	// all of its modules, whichever server they are in: it names the load.
@@ -267,22 +268,23 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		return next.ServeHTTP(w, r)
 	}
 
-	now := rl.now()
+	now := time.Now()
 	v, err := rl.zone.store.Hit(r.Context(), key, now, rl.limit)
 	if err != nil {
+		err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
 		if r.Context().Err() != nil {
 			// The client went away while the store decided: no fault of
 			// the store, and no one to answer. 499 is what Caddy's
 			// reverse proxy reports for a client that closed the request.
-			return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
+			return caddyhttp.Error(statusClientClosedRequest, err)
 		}
 		rl.zone.count(resultStoreError)
 		w.Header().Set("Retry-After", "1")
-		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
+		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
-	rl.setHeaders(w.Header(), v, now)
-
 	reset := ceilSeconds(v.Reset.UnixNano())
+	rl.setHeaders(w.Header(), v, reset, now)
+
 	repl.Set("http.rate_limit.zone", rl.zoneAny)
 	repl.Set("http.rate_limit.key", key)
 	repl.Set("http.rate_limit.limit", v.Limit)
@@ -291,7 +293,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	repl.Set("http.rate_limit.exceeded", !v.Allowed)
 	ws := isWebSocket(r)
 	if v.Allowed && ws {
-		return rl.serveWebSocket(w, r, next, rl.zone, key, v)
+		return rl.serveWebSocket(w, r, next, key, v)
 	}
 	rl.zone.countVerdict(v)
 	if v.Allowed {
@@ -333,21 +335,22 @@ func (rl *RateLimit) key(r *http.Request, repl *caddy.Replacer) string {
 	return clientIPKey(ip, rl.IPv6Prefix)
 }
 
-// setHeaders sets the quota headers of the configured mode.
-func (rl *RateLimit) setHeaders(h http.Header, v Verdict, now time.Time) {
-	if rl.headers == HeadersNone {
+// setHeaders sets the quota headers of the configured mode; reset is
+// v.Reset in Unix seconds, rounded up.
+func (rl *RateLimit) setHeaders(h http.Header, v Verdict, reset int64, now time.Time) {
+	if !rl.legacyHeaders && !rl.ietfHeaders {
 		return
 	}
 	remaining := strconv.Itoa(v.Remaining)
-	if rl.headers == HeadersLegacy || rl.headers == HeadersBoth {
+	if rl.legacyHeaders {
 		// Canonical keys set directly: h.Set would allocate to canonicalize
 		// them on every request. They go out as X-Ratelimit-*, as h.Set
 		// would send them; header names are case-insensitive.
 		h["X-Ratelimit-Limit"] = []string{rl.limitStr}
 		h["X-Ratelimit-Remaining"] = []string{remaining}
-		h["X-Ratelimit-Reset"] = []string{strconv.FormatInt(ceilSeconds(v.Reset.UnixNano()), 10)}
+		h["X-Ratelimit-Reset"] = []string{strconv.FormatInt(reset, 10)}
 	}
-	if rl.headers == HeadersIETF || rl.headers == HeadersBoth {
+	if rl.ietfHeaders {
 		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)
 		h["Ratelimit-Policy"] = []string{rl.policy}
 		h["Ratelimit"] = []string{rl.quotedZone + ";r=" + remaining + ";t=" + strconv.FormatInt(left, 10)}

@@ -114,7 +114,8 @@ func (z *zone) wsOpen(key string) int {
 // the key's connection slots for as long as next serves the socket (for
 // reverse_proxy, until the tunnel ends however it ends), or refuses it when
 // the key already has WSMaxConnectionsPerIP sockets open.
-func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, z *zone, key string, v Verdict) error {
+func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v Verdict) error {
+	z := rl.zone
 	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
 	if !ok {
 		z.count(resultLimited)

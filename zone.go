@@ -42,10 +42,6 @@ type zone struct {
 	mu      sync.Mutex
 	holders []*RateLimit
 
-	// Settings of the newest holder, for the admin API.
-	enabled atomic.Bool
-	limit   atomic.Pointer[Limit]
-
 	// results counts decisions by outcome since the zone was created; the
 	// metrics read them, so a config reload never resets a counter.
 	results [numResults]atomic.Uint64
@@ -83,12 +79,23 @@ func (z *zone) kind() string {
 }
 
 // health reports the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
-// where the store has one, or "".
+// where the store has one (Redis), or "".
 func (z *zone) health() string {
-	if h, ok := z.store.(interface{ Health() string }); ok {
-		return h.Health()
+	if z.redis != nil {
+		return z.redis.Health()
 	}
 	return ""
+}
+
+// newest returns the newest handler holding the zone, whose settings the
+// zone runs with, or nil while no handler holds it yet.
+func (z *zone) newest() *RateLimit {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	if n := len(z.holders); n > 0 {
+		return z.holders[n-1]
+	}
+	return nil
 }
 
 // zoneSeq numbers zones in the order they are created.
@@ -147,9 +154,6 @@ func (z *zone) release(rl *RateLimit) {
 // apply takes the settings of a handler, so that a reload that changes them
 // takes effect without dropping the zone's counts. newZone and hold call it.
 func (z *zone) apply(rl *RateLimit) {
-	lim := rl.limit
-	z.limit.Store(&lim)
-	z.enabled.Store(rl.isEnabled())
 	z.gcInterval.Store(int64(rl.GCInterval))
 	if z.mem != nil {
 		z.mem.SetMaxTracked(rl.MaxTracked)
