@@ -220,8 +220,8 @@ func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit L
 func (s *RedisStore) hitRedis(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
-	tag := s.tag(key)
-	keys := []string{s.prefix + "{" + tag + "}:c", s.prefix + "{" + tag + "}:r"}
+	base := s.base(s.tag(key))
+	keys := []string{base + "c", base + "r"}
 	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds()).Int64Slice()
 	if err != nil {
 		return Verdict{}, err
@@ -748,9 +748,4 @@ func (c *refusedCache) forgetFunc(match func(string) bool) {
 }
 
 // Interface guards
-var (
-	_ Store                          = (*RedisStore)(nil)
-	_ interface{ Health() string }   = (*RedisStore)(nil) // read by zone.health for the admin API
-	_ interface{ Healthy() bool }    = (*RedisStore)(nil) // for caddy_rate_limit_store_healthy
-	_ interface{ HashedKeys() bool } = (*RedisStore)(nil) // for the admin listing
-)
+var _ Store = (*RedisStore)(nil)
