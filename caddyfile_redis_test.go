@@ -68,16 +68,9 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 		{name: "address without value", input: "rate_limit {\n store redis {\n address\n }\n}", wantErr: "wrong argument count"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rl := new(RateLimit)
-			err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
-			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
-				}
+			rl := parse(t, tc.input, tc.wantErr)
+			if rl == nil {
 				return
-			}
-			if err != nil {
-				t.Fatal(err)
 			}
 			got, _ := json.Marshal(rl)
 			if string(got) != tc.want {

@@ -14,6 +14,25 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 )
 
+// parse unmarshals a rate_limit block. With wantErr set, it fails the test
+// unless parsing fails with an error containing wantErr, and returns nil;
+// with wantErr empty it fails the test on any error.
+func parse(t *testing.T, input, wantErr string) *RateLimit {
+	t.Helper()
+	rl := new(RateLimit)
+	err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser(input))
+	if wantErr != "" {
+		if err == nil || !strings.Contains(err.Error(), wantErr) {
+			t.Fatalf("error = %v, want one containing %q", err, wantErr)
+		}
+		return nil
+	}
+	if err != nil {
+		t.Fatalf("UnmarshalCaddyfile: %v", err)
+	}
+	return rl
+}
+
 func TestUnmarshalCaddyfile(t *testing.T) {
 	t.Parallel()
 	off := false
@@ -52,11 +71,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 		}`, RateLimit{Window: caddy.Duration(30 * time.Second), MaxTracked: 2000}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var got RateLimit
-			if err := got.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input)); err != nil {
-				t.Fatalf("UnmarshalCaddyfile: %v", err)
-			}
-			gj, _ := json.Marshal(got)
+			gj, _ := json.Marshal(parse(t, tc.input, ""))
 			wj, _ := json.Marshal(tc.want)
 			if string(gj) != string(wj) {
 				t.Fatalf("got %s\nwant %s", gj, wj)
@@ -100,11 +115,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n gc_interval 1ns\n}", `invalid gc_interval 1ns: must be at least 1s`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
-			var rl RateLimit
-			err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("error = %v, want one containing %q", err, tc.want)
-			}
+			parse(t, tc.input, tc.want)
 		})
 	}
 }

@@ -12,7 +12,6 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -291,17 +290,9 @@ func TestUnmarshalCaddyfileWebSocket(t *testing.T) {
 		{"ws_reject", 0, "", "wrong argument count"},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
-			d := caddyfile.NewTestDispenser("rate_limit {\n" + tc.input + "\n}")
-			var rl RateLimit
-			err := rl.UnmarshalCaddyfile(d)
-			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
-				}
+			rl := parse(t, "rate_limit {\n"+tc.input+"\n}", tc.wantErr)
+			if rl == nil {
 				return
-			}
-			if err != nil {
-				t.Fatal(err)
 			}
 			if rl.WSMaxConnectionsPerIP != tc.max || rl.WSReject != tc.reject {
 				t.Errorf("got ws_max_connections_per_ip %d, ws_reject %q; want %d, %q",
