@@ -642,13 +642,21 @@ func TestRedisStoreRangeForget(t *testing.T) {
 // Nothing connects before the first decision: a store pointing at a dead
 // address is built without error and fails only when used.
 func TestRedisStoreLazy(t *testing.T) {
-	s, _ := newTestRedisStore(t, []string{"127.0.0.1:1"}, RedisStoreOptions{OnError: OnErrorDeny})
+	ln := redistest.Listen(t) // takes connections and drops them: not Redis
+	s, _ := newTestRedisStore(t, []string{ln.Addr}, RedisStoreOptions{OnError: OnErrorDeny})
+	time.Sleep(200 * time.Millisecond)
+	if n := ln.Accepted(); n != 0 {
+		t.Fatalf("%d connections before any decision, want none", n)
+	}
 	if h := s.Health(); h != HealthHealthy {
 		t.Errorf("health before any decision = %s, want HEALTHY", h)
 	}
 	_, err := s.Hit(context.Background(), "k", time.Now(), Limit{Window: time.Minute, Max: 1})
 	if err == nil || !strings.Contains(err.Error(), "redis store") {
-		t.Errorf("Hit against a dead address: %v, want a redis store error", err)
+		t.Errorf("Hit against an address that is not Redis: %v, want a redis store error", err)
+	}
+	if ln.Accepted() == 0 {
+		t.Error("the first decision made no connection: the listener counts nothing")
 	}
 }
 

@@ -285,6 +285,7 @@ func TestRedisValidateWithoutRedis(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	ln := redistest.Listen(t) // counts connections: there must be none
 	file := filepath.Join(t.TempDir(), "Caddyfile")
 	cfg := `{
 	admin off
@@ -294,7 +295,7 @@ func TestRedisValidateWithoutRedis(t *testing.T) {
 	rate_limit {
 		zone redis_validate
 		store redis {
-			address 127.0.0.1:1
+			address ` + ln.Addr + `
 			password {env.RL_TEST_UNSET_PASSWORD}
 		}
 	}
@@ -312,6 +313,9 @@ func TestRedisValidateWithoutRedis(t *testing.T) {
 		if d := time.Since(start); d > 10*time.Second {
 			t.Errorf("caddy %s took %s", cmd, d)
 		}
+	}
+	if n := ln.Accepted(); n != 0 {
+		t.Errorf("caddy adapt and validate made %d connections to Redis, want none", n)
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -292,3 +293,36 @@ func freeClusterPort(t testing.TB) int {
 	t.Fatal("no free port pair for a cluster node")
 	return 0
 }
+
+// Listener is a loopback TCP listener that counts the connections made to
+// it and closes each at once: an address for a test that must show nothing
+// connects (to a Redis that is not there) until something should.
+type Listener struct {
+	Addr     string
+	accepted atomic.Int64
+}
+
+// Listen starts a Listener; it stops when the test ends.
+func Listen(t testing.TB) *Listener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &Listener{Addr: ln.Addr().String()}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			l.accepted.Add(1)
+			c.Close()
+		}
+	}()
+	return l
+}
+
+// Accepted returns how many connections the listener has taken.
+func (l *Listener) Accepted() int64 { return l.accepted.Load() }
