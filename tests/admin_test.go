@@ -70,6 +70,24 @@ type keyList struct {
 	Keys       []keyInfo `json:"keys"`
 }
 
+// sendTraffic sends n requests per client IP and fails unless the first 3
+// are admitted and the rest refused.
+func sendTraffic(t *testing.T, s *server, traffic map[string]int) {
+	t.Helper()
+	for ip, n := range traffic {
+		for i := range n {
+			resp, _ := s.get("/", "X-Forwarded-For", ip)
+			want := http.StatusOK
+			if i >= 3 {
+				want = http.StatusTooManyRequests
+			}
+			if resp.StatusCode != want {
+				t.Fatalf("%s request %d: status %d, want %d", ip, i+1, resp.StatusCode, want)
+			}
+		}
+	}
+}
+
 // listingCase is one listing query and the keys it must return, in order.
 type listingCase struct {
 	query string
@@ -116,19 +134,7 @@ func TestAdminAPI(t *testing.T) {
 	}
 	respond "ok"
 }`)
-	traffic := map[string]int{"203.0.113.1": 5, "203.0.113.10": 4, "203.0.113.2": 2, "203.0.113.3": 2, "198.51.100.7": 1}
-	for ip, n := range traffic {
-		for i := range n {
-			resp, _ := s.get("/", "X-Forwarded-For", ip)
-			want := http.StatusOK
-			if i >= 3 {
-				want = http.StatusTooManyRequests
-			}
-			if resp.StatusCode != want {
-				t.Fatalf("%s request %d: status %d, want %d", ip, i+1, resp.StatusCode, want)
-			}
-		}
-	}
+	sendTraffic(t, s, map[string]int{"203.0.113.1": 5, "203.0.113.10": 4, "203.0.113.2": 2, "203.0.113.3": 2, "198.51.100.7": 1})
 
 	t.Run("zones", func(t *testing.T) {
 		var zones []map[string]any

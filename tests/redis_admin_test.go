@@ -32,24 +32,6 @@ func redisZoneSite(zone, addr, extra string) string {
 }`, zone, addr, extra)
 }
 
-// sendTraffic sends n requests per client IP and fails unless the first 3
-// are admitted and the rest refused.
-func sendTraffic(t *testing.T, s *server, traffic map[string]int) {
-	t.Helper()
-	for ip, n := range traffic {
-		for i := range n {
-			resp, _ := s.get("/", "X-Forwarded-For", ip)
-			want := http.StatusOK
-			if i >= 3 {
-				want = http.StatusTooManyRequests
-			}
-			if resp.StatusCode != want {
-				t.Fatalf("%s request %d: status %d, want %d", ip, i+1, resp.StatusCode, want)
-			}
-		}
-	}
-}
-
 // zoneSummary returns the zone's entry in GET /rate_limit/.
 func zoneSummary(t *testing.T, name string) map[string]any {
 	t.Helper()
