@@ -8,13 +8,14 @@ import (
 )
 
 // The Caddyfile syntax block in UnmarshalCaddyfile's doc comment and the one
-// in the README are identical, so the docs never drift from the parser's.
-func TestReadmeSyntaxBlock(t *testing.T) {
+// in docs/configuration.md are identical, so the docs never drift from the
+// parser's.
+func TestDocsSyntaxBlock(t *testing.T) {
 	src, err := os.ReadFile("caddyfile.go")
 	if err != nil {
 		t.Fatal(err)
 	}
-	readme, err := os.ReadFile("README.md")
+	doc, err := os.ReadFile("docs/configuration.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,7 +28,7 @@ func TestReadmeSyntaxBlock(t *testing.T) {
 		lines = append(lines, strings.TrimPrefix(l, "//\t"))
 	}
 	block := "```\n" + strings.Join(lines, "\n") + "\n```"
-	if !strings.Contains(string(readme), block) {
-		t.Errorf("README.md lacks the syntax block of UnmarshalCaddyfile's doc comment:\n%s", block)
+	if !strings.Contains(string(doc), block) {
+		t.Errorf("docs/configuration.md lacks the syntax block of UnmarshalCaddyfile's doc comment:\n%s", block)
 	}
 }
