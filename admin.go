@@ -36,14 +36,20 @@ const adminPrefix = "/rate_limit/"
 // its access controls, and reads the live zones, so it always shows the
 // counters requests are being judged against:
 //
-//	GET    /rate_limit/              every zone with its settings and totals
-//	GET    /rate_limit/<zone>        the zone's tracked keys, busiest first
-//	DELETE /rate_limit/<zone>/<key>  forget a key at once (an unblock)
+//	GET    /rate_limit/                 every zone with its settings and totals
+//	GET    /rate_limit/<zone>           the zone's tracked keys, busiest first
+//	DELETE /rate_limit/<zone>?key=<key> forget a key at once (an unblock)
 //
 // The key listing takes the query parameters limited=true (only keys over
 // their limit now), q=<prefix> (only keys starting with it), offset and limit
-// (default 100, at most 1000). Zone and key are path-escaped; a key may hold
-// a slash as it is ("2001:db8::/64").
+// (default 100, at most 1000). Each listed key comes with its unblock path,
+// escaped and ready to use.
+//
+// A key is text a client chose, so it never travels in the path: a key such
+// as "/../../config/" there would be resolved by the HTTP client or Go's mux
+// into another admin route. Query strings are parsed strictly (a malformed,
+// repeated or unknown parameter is a 400 naming it), and a path with more
+// than a zone name under /rate_limit/ is a 400.
 //
 // AdminAPI has no configuration; its zero value is ready to use.
 type AdminAPI struct{}
@@ -56,47 +62,54 @@ func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Routes returns the route of the rate limiter's admin endpoints.
+// Routes returns the routes of the rate limiter's admin endpoints. The path
+// without its final slash is routed too, so that it gets the zone list and
+// not a redirect from the mux.
 func (a AdminAPI) Routes() []caddy.AdminRoute {
-	return []caddy.AdminRoute{{Pattern: adminPrefix, Handler: caddy.AdminHandlerFunc(a.serveHTTP)}}
+	h := caddy.AdminHandlerFunc(a.serveHTTP)
+	return []caddy.AdminRoute{
+		{Pattern: adminPrefix, Handler: h},
+		{Pattern: strings.TrimSuffix(adminPrefix, "/"), Handler: h},
+	}
 }
 
-// serveHTTP dispatches on the path: the zone list, one zone, or one key.
+// serveHTTP dispatches on the path: the zone list, or one zone.
 func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
-	rest, ok := strings.CutPrefix(r.URL.EscapedPath(), adminPrefix)
-	if !ok {
-		return apiError(http.StatusNotFound, fmt.Errorf("no rate limit endpoint at %q", r.URL.Path))
+	path := r.URL.EscapedPath()
+	rest, ok := strings.CutPrefix(path, adminPrefix)
+	if !ok && path+"/" != adminPrefix {
+		return apiError(http.StatusNotFound, fmt.Errorf("no rate limit endpoint at %q", path))
 	}
 	if rest == "" {
 		if err := allowMethod(w, r, http.MethodGet); err != nil {
 			return err
 		}
+		if _, err := parseQuery(r.URL.RawQuery); err != nil {
+			return apiError(http.StatusBadRequest, err)
+		}
 		return writeJSON(w, listZones(r.Context()))
 	}
-	rawZone, rawKey, hasKey := strings.Cut(rest, "/")
-	name, err := url.PathUnescape(rawZone)
-	if err != nil {
-		return apiError(http.StatusBadRequest, fmt.Errorf("invalid zone name %q in path: %v", rawZone, err))
+	name, err := url.PathUnescape(rest)
+	if err != nil || strings.Contains(name, "/") || name == "." || name == ".." {
+		return apiError(http.StatusBadRequest, fmt.Errorf("invalid path %q: want /rate_limit/<zone>; a key goes in the query: DELETE /rate_limit/<zone>?key=<key>", path))
 	}
-	if !hasKey || rawKey == "" {
-		if err := allowMethod(w, r, http.MethodGet); err != nil {
-			return err
-		}
+	switch r.Method {
+	case http.MethodGet:
 		return a.handleZone(w, r, name)
+	case http.MethodDelete:
+		return a.handleForget(w, r, name)
 	}
-	key, err := url.PathUnescape(rawKey)
-	if err != nil {
-		return apiError(http.StatusBadRequest, fmt.Errorf("invalid key %q in path: %v", rawKey, err))
-	}
-	if err := allowMethod(w, r, http.MethodDelete); err != nil {
-		return err
-	}
-	return a.handleForget(w, r, name, key)
+	w.Header().Set("Allow", "GET, DELETE")
+	return apiError(http.StatusMethodNotAllowed, fmt.Errorf("method %s not allowed: use GET or DELETE", r.Method))
 }
 
 // handleZone answers GET /rate_limit/<zone> with a page of the zone's keys.
 func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) error {
-	q, err := parseListQuery(r.URL.Query())
+	params, err := parseQuery(r.URL.RawQuery, "limited", "q", "offset", "limit")
+	if err != nil {
+		return apiError(http.StatusBadRequest, err)
+	}
+	q, err := parseListQuery(params)
 	if err != nil {
 		return apiError(http.StatusBadRequest, err)
 	}
@@ -111,8 +124,17 @@ func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) 
 	return writeJSON(w, list)
 }
 
-// handleForget answers DELETE /rate_limit/<zone>/<key> by forgetting the key.
-func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name, key string) error {
+// handleForget answers DELETE /rate_limit/<zone>?key=<key> by forgetting
+// the key.
+func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string) error {
+	params, err := parseQuery(r.URL.RawQuery, "key")
+	if err != nil {
+		return apiError(http.StatusBadRequest, err)
+	}
+	key, ok := params["key"]
+	if !ok || key == "" {
+		return apiError(http.StatusBadRequest, fmt.Errorf("missing query parameter key: DELETE /rate_limit/<zone>?key=<key>, as each listed key's unblock gives it"))
+	}
 	z := findZone(name)
 	if z == nil {
 		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
@@ -125,6 +147,12 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name, key s
 		return apiError(http.StatusNotFound, fmt.Errorf("key %q is not tracked in zone %q", key, name))
 	}
 	return writeJSON(w, map[string]any{"zone": name, "key": key, "forgotten": true})
+}
+
+// unblockPath is the path and query that unblock key in zone, escaped so
+// that any key travels in the query and nowhere else.
+func unblockPath(zone, key string) string {
+	return adminPrefix + url.PathEscape(zone) + "?key=" + url.QueryEscape(key)
 }
 
 // ZoneInfo is one zone in the reply to GET /rate_limit/.
@@ -181,6 +209,9 @@ type KeyInfo struct {
 	// Limited is true when the key's next request in this window would be
 	// refused.
 	Limited bool `json:"limited"`
+	// Unblock is the admin path that forgets the key, escaped and ready to
+	// use: DELETE it on the admin endpoint.
+	Unblock string `json:"unblock"`
 }
 
 // KeyList is the reply to GET /rate_limit/<zone>: one page of the zone's
@@ -210,17 +241,54 @@ type listQuery struct {
 	limit       int
 }
 
+// parseQuery parses a raw query string strictly: every parameter is
+// name=value, well escaped, given once and one of allowed. The error names
+// the offending parameter. url.ParseQuery instead drops a malformed pair and
+// keeps the first of repeated ones, so a misspelt filter would silently list
+// everything.
+func parseQuery(raw string, allowed ...string) (map[string]string, error) {
+	params := map[string]string{}
+	if raw == "" {
+		return params, nil
+	}
+	for _, pair := range strings.Split(raw, "&") {
+		rawName, rawVal, hasVal := strings.Cut(pair, "=")
+		name, err := url.QueryUnescape(rawName)
+		if err != nil || rawName == "" || strings.Contains(pair, ";") || !hasVal {
+			return nil, fmt.Errorf("malformed query parameter %q: want name=value, joined by &", pair)
+		}
+		if !slices.Contains(allowed, name) {
+			if len(allowed) == 0 {
+				return nil, fmt.Errorf("unknown query parameter %q: this endpoint takes none", name)
+			}
+			return nil, fmt.Errorf("unknown query parameter %q: want %s", name, strings.Join(allowed, ", "))
+		}
+		val, err := url.QueryUnescape(rawVal)
+		if err != nil {
+			return nil, fmt.Errorf("malformed query parameter %q: %v", name, err)
+		}
+		if _, dup := params[name]; dup {
+			return nil, fmt.Errorf("query parameter %q given more than once", name)
+		}
+		params[name] = val
+	}
+	return params, nil
+}
+
 // parseListQuery reads the listing's query parameters, naming the first bad
-// or unknown one.
-func parseListQuery(v url.Values) (listQuery, error) {
+// one.
+func parseListQuery(params map[string]string) (listQuery, error) {
 	q := listQuery{limit: DefaultListLimit}
-	for _, name := range slices.Sorted(maps.Keys(v)) {
-		val := v.Get(name)
+	for _, name := range slices.Sorted(maps.Keys(params)) {
+		val := params[name]
 		var err error
 		switch name {
 		case "limited":
-			q.limitedOnly, err = strconv.ParseBool(val)
-			if err != nil {
+			switch val {
+			case "true":
+				q.limitedOnly = true
+			case "false":
+			default:
 				return q, fmt.Errorf("invalid limited %q: must be true or false", val)
 			}
 		case "q":
@@ -235,8 +303,6 @@ func parseListQuery(v url.Values) (listQuery, error) {
 			if err != nil || q.limit < 1 || q.limit > MaxListLimit {
 				return q, fmt.Errorf("invalid limit %q: must be a whole number from 1 to %d", val, MaxListLimit)
 			}
-		default:
-			return q, fmt.Errorf("unknown query parameter %q: want limited, q, offset or limit", name)
 		}
 	}
 	return q, nil
@@ -282,6 +348,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 			Remaining: max(lim.Max-ks.Count, 0),
 			Reset:     ceilSeconds(ks.Reset.UnixNano()),
 			Limited:   ks.Count >= lim.Max,
+			Unblock:   unblockPath(z.name, ks.Key),
 		})
 	}
 	return out, nil

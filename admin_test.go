@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
@@ -20,8 +21,8 @@ import (
 func adminDo(t testing.TB, method, target string) (*httptest.ResponseRecorder, error) {
 	t.Helper()
 	routes := AdminAPI{}.Routes()
-	if len(routes) != 1 || routes[0].Pattern != "/rate_limit/" {
-		t.Fatalf("routes = %+v, want one at /rate_limit/", routes)
+	if len(routes) != 2 || routes[0].Pattern != "/rate_limit/" || routes[1].Pattern != "/rate_limit" {
+		t.Fatalf("routes = %+v, want /rate_limit/ and /rate_limit", routes)
 	}
 	w := httptest.NewRecorder()
 	err := routes[0].Handler.ServeHTTP(w, httptest.NewRequest(method, target, nil))
@@ -183,21 +184,37 @@ func TestAdminForget(t *testing.T) {
 	if got := serve(t, rl, "192.0.2.50"); got != http.StatusTooManyRequests {
 		t.Fatalf("second request: status %d, want 429", got)
 	}
-	// IPv6 keys hold a slash; it is sent as it is.
+	// IPv6 keys hold a slash; the listing's unblock path escapes it.
 	serve(t, rl, "2001:db8::1")
 
-	for _, key := range []string{"192.0.2.50", "2001:db8::/64"} {
-		w, err := adminDo(t, http.MethodDelete, "/rate_limit/admin-forget/"+key)
+	var list KeyList
+	adminGet(t, "/rate_limit/admin-forget", &list)
+	unblock := map[string]string{}
+	for _, k := range list.Keys {
+		unblock[k.Key] = k.Unblock
+	}
+	want := map[string]string{
+		"192.0.2.50":    "/rate_limit/admin-forget?key=192.0.2.50",
+		"2001:db8::/64": "/rate_limit/admin-forget?key=2001%3Adb8%3A%3A%2F64",
+	}
+	if !maps.Equal(unblock, want) {
+		t.Fatalf("unblock paths = %v, want %v", unblock, want)
+	}
+	for key, path := range want {
+		w, err := adminDo(t, http.MethodDelete, path)
 		if err != nil || w.Code != http.StatusOK {
-			t.Fatalf("DELETE %s: status %d, error %v", key, w.Code, err)
+			t.Fatalf("DELETE %s: status %d, error %v", path, w.Code, err)
 		}
-		_, err = adminDo(t, http.MethodDelete, "/rate_limit/admin-forget/"+key)
+		if body := w.Body.String(); !strings.Contains(body, `"forgotten":true`) || !strings.Contains(body, fmt.Sprintf("%q", key)) {
+			t.Errorf("DELETE %s: body %s", path, body)
+		}
+		_, err = adminDo(t, http.MethodDelete, path)
 		wantAPIError(t, err, http.StatusNotFound, "not tracked")
 	}
 	if got := serve(t, rl, "192.0.2.50"); got != http.StatusOK {
 		t.Errorf("after DELETE: status %d, want 200", got)
 	}
-	_, err := adminDo(t, http.MethodDelete, "/rate_limit/no-such-zone/192.0.2.50")
+	_, err := adminDo(t, http.MethodDelete, "/rate_limit/no-such-zone?key=192.0.2.50")
 	wantAPIError(t, err, http.StatusNotFound, `unknown rate limit zone "no-such-zone"`)
 }
 
@@ -211,8 +228,29 @@ func TestAdminErrors(t *testing.T) {
 	}{
 		{http.MethodGet, "/rate_limit/no-such-zone", http.StatusNotFound, `unknown rate limit zone "no-such-zone"`},
 		{http.MethodPost, "/rate_limit/", http.StatusMethodNotAllowed, "method POST not allowed"},
-		{http.MethodDelete, "/rate_limit/admin-errors", http.StatusMethodNotAllowed, "method DELETE not allowed"},
-		{http.MethodGet, "/rate_limit/admin-errors/192.0.2.1", http.StatusMethodNotAllowed, "use DELETE"},
+		{http.MethodPost, "/rate_limit/admin-errors", http.StatusMethodNotAllowed, "method POST not allowed: use GET or DELETE"},
+		{http.MethodGet, "/rate_limit/?q=x", http.StatusBadRequest, `unknown query parameter "q": this endpoint takes none`},
+		// A key never travels in the path, whatever the method.
+		{http.MethodDelete, "/rate_limit/admin-errors/192.0.2.1", http.StatusBadRequest, "a key goes in the query"},
+		{http.MethodGet, "/rate_limit/admin-errors/192.0.2.1", http.StatusBadRequest, "a key goes in the query"},
+		{http.MethodDelete, "/rate_limit/admin-errors/", http.StatusBadRequest, "a key goes in the query"},
+		{http.MethodDelete, "/rate_limit/admin-errors/key:%2F%2E%2E%2F%2E%2E%2Fconfig%2F", http.StatusBadRequest, "a key goes in the query"},
+		{http.MethodDelete, "/rate_limit/%2E%2E", http.StatusBadRequest, "invalid path"},
+		{http.MethodDelete, "/rate_limit/a%2Fb", http.StatusBadRequest, "invalid path"},
+		{http.MethodDelete, "/rate_limit/admin-errors", http.StatusBadRequest, "missing query parameter key"},
+		{http.MethodDelete, "/rate_limit/admin-errors?key=", http.StatusBadRequest, "missing query parameter key"},
+		{http.MethodDelete, "/rate_limit/admin-errors?key=a&key=b", http.StatusBadRequest, `query parameter "key" given more than once`},
+		{http.MethodDelete, "/rate_limit/admin-errors?key=a&q=b", http.StatusBadRequest, `unknown query parameter "q": want key`},
+		{http.MethodDelete, "/rate_limit/admin-errors?key=%zz", http.StatusBadRequest, `malformed query parameter "key"`},
+		// Strict parsing: what url.ParseQuery would drop or take silently.
+		{http.MethodGet, "/rate_limit/admin-errors?q=203.0.113.%", http.StatusBadRequest, `malformed query parameter "q"`},
+		{http.MethodGet, "/rate_limit/admin-errors?limited=true;", http.StatusBadRequest, `malformed query parameter "limited=true;"`},
+		{http.MethodGet, "/rate_limit/admin-errors?offset=1;limit=1", http.StatusBadRequest, `malformed query parameter "offset=1;limit=1"`},
+		{http.MethodGet, "/rate_limit/admin-errors?q=x&bogus=%", http.StatusBadRequest, `unknown query parameter "bogus"`},
+		{http.MethodGet, "/rate_limit/admin-errors?limit=1&limit=2", http.StatusBadRequest, `query parameter "limit" given more than once`},
+		{http.MethodGet, "/rate_limit/admin-errors?limited", http.StatusBadRequest, `malformed query parameter "limited"`},
+		{http.MethodGet, "/rate_limit/admin-errors?q=a&&limit=1", http.StatusBadRequest, `malformed query parameter ""`},
+		{http.MethodGet, "/rate_limit/admin-errors?limited=1", http.StatusBadRequest, `invalid limited "1"`},
 		{http.MethodGet, "/rate_limit/admin-errors?limit=0", http.StatusBadRequest, `invalid limit "0"`},
 		{http.MethodGet, "/rate_limit/admin-errors?limit=1001", http.StatusBadRequest, `invalid limit "1001"`},
 		{http.MethodGet, "/rate_limit/admin-errors?limit=ten", http.StatusBadRequest, `invalid limit "ten"`},

@@ -1,11 +1,20 @@
 package ratelimit
 
 import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
 	"net/netip"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -61,6 +70,77 @@ func FuzzClientIPKey(f *testing.F) {
 		}
 		if !strings.Contains(key, "/") {
 			t.Fatalf("IPv6 key %q has no prefix length", key)
+		}
+	})
+}
+
+// FuzzAdminRequest sends any path and query to the admin API: it never
+// crashes, every error is a caddy.APIError (which Caddy answers as JSON),
+// and only the documented forms succeed: the zone list, a zone's listing,
+// and an unblock with its key in the query.
+func FuzzAdminRequest(f *testing.F) {
+	f.Add("DELETE", "/rate_limit/fuzz-admin", "key=key%3A%2F..%2F..%2Fconfig%2F")
+	f.Add("DELETE", "/rate_limit/fuzz-admin/key:%2F%2E%2E%2Fconfig%2F", "")
+	f.Add("GET", "/rate_limit/fuzz-admin", "q=203.0.113.%&limited=true;")
+	f.Add("GET", "/rate_limit/fuzz-admin", "offset=1;limit=1&limit=2")
+	f.Add("GET", "/rate_limit/", "")
+	f.Add("GET", "/rate_limit", "x")
+	f.Add("GET", "/rate_limit/%2e%2e", "")
+	rl, _ := provisionHandler(f, "fuzz-admin", 1, true)
+	serve(f, rl, "192.0.2.1")
+	serve(f, rl, "192.0.2.1")
+	routes := AdminAPI{}.Routes()
+	f.Fuzz(func(t *testing.T, method, path, query string) {
+		u := &url.URL{Path: "/", RawQuery: query}
+		if rest, ok := strings.CutPrefix(path, "/"); ok {
+			u.RawPath, u.Path = path, "/"+rest
+			if p, err := url.PathUnescape(path); err == nil {
+				u.Path = p
+			}
+		}
+		if method == "" || strings.ContainsAny(method, " \t\r\n") {
+			method = http.MethodGet
+		}
+		r := &http.Request{Method: method, URL: u, Header: http.Header{}}
+		r = r.WithContext(context.Background())
+		w := httptest.NewRecorder()
+		err := routes[0].Handler.ServeHTTP(w, r)
+		if err != nil {
+			var aerr caddy.APIError
+			if !errors.As(err, &aerr) || aerr.HTTPStatus < 400 || aerr.HTTPStatus > 599 {
+				t.Fatalf("%s %s?%s: error %v is not an API error", method, path, query, err)
+			}
+			return
+		}
+		if w.Code != http.StatusOK || !json.Valid(w.Body.Bytes()) {
+			t.Fatalf("%s %s?%s: status %d, body %q", method, path, query, w.Code, w.Body)
+		}
+		rest := strings.TrimPrefix(strings.TrimPrefix(u.EscapedPath(), "/rate_limit"), "/")
+		if strings.Contains(rest, "/") {
+			t.Fatalf("%s %s?%s succeeded with more than a zone in the path", method, path, query)
+		}
+	})
+}
+
+// FuzzCustomKey checks that every custom key is counted under a key that is
+// printable, not longer than the bound, and the client's text as it is only
+// when that text is printable.
+func FuzzCustomKey(f *testing.F) {
+	f.Add("alice")
+	f.Add("\xff\xfe")
+	f.Add("/../../../config/")
+	f.Add("a\u202eb")
+	f.Add(strings.Repeat("x", 129))
+	f.Fuzz(func(t *testing.T, raw string) {
+		k := customKey(raw)
+		if !strings.HasPrefix(k, customKeyPrefix) || !printable(k) || len(k) > len(customKeyPrefix)+maxCustomKeyLen {
+			t.Fatalf("customKey(%q) = %q", raw, k)
+		}
+		if kept := k == customKeyPrefix+raw; kept != (printable(raw) && len(raw) <= maxCustomKeyLen) {
+			t.Fatalf("customKey(%q) = %q: kept %t", raw, k, kept)
+		}
+		if utf8.ValidString(raw) && strings.ContainsFunc(raw, unicode.IsControl) && k == customKeyPrefix+raw {
+			t.Fatalf("customKey(%q) kept a control character", raw)
 		}
 	})
 }

@@ -4,6 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"net/netip"
+	"unicode"
+	"unicode/utf8"
 )
 
 // customKeyPrefix starts every key that comes from the key placeholder, so
@@ -16,13 +18,41 @@ const customKeyPrefix = "key:"
 const maxCustomKeyLen = 128
 
 // customKey turns the resolved key placeholder into the key it is counted
-// under.
+// under. A key is client-chosen text that travels to logs, the admin API,
+// Redis and a browser, so only a short key of printable characters is kept
+// as it is; any other (too long, invalid UTF-8, control or format
+// characters such as a newline or a bidi override) is kept as its hash, a
+// form the listing shows exactly and an unblock can name. Distinct keys keep
+// distinct counters either way.
 func customKey(k string) string {
-	if len(k) > maxCustomKeyLen {
+	if len(k) > maxCustomKeyLen || !printable(k) {
 		sum := sha256.Sum256([]byte(k))
 		return customKeyPrefix + "sha256:" + hex.EncodeToString(sum[:16])
 	}
 	return customKeyPrefix + k
+}
+
+// printable reports whether s is valid UTF-8 made only of printable
+// characters and the ASCII space (unicode.IsPrint).
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c >= utf8.RuneSelf {
+			return printableRunes(s[i:])
+		} else if c < ' ' || c == 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+// printableRunes is printable for text past the ASCII prefix.
+func printableRunes(s string) bool {
+	for _, r := range s {
+		if r == utf8.RuneError || !unicode.IsPrint(r) {
+			return false // RuneError: invalid UTF-8, or a literal U+FFFD that would read as one
+		}
+	}
+	return true
 }
 
 // clientIPKey turns a client address into the key it is counted under:

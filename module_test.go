@@ -102,6 +102,10 @@ func TestCustomKey(t *testing.T) {
 		{"two parts", "{http.request.header.X-Tenant}/{http.request.header.X-User}", []string{"X-User", "bob"}, "key:/bob"},
 		{"long key is hashed", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", long}, "key:sha256:"},
 		{"client_ip is the IP key", "{client_ip}", nil, "198.51.100.1"},
+		{"printable non-ASCII is kept", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", "Zürich ü"}, "key:Zürich ü"},
+		{"a bidi override is hashed", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", "abc\u202egpj.exe"}, "key:sha256:"},
+		{"a literal U+FFFD is hashed", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", "\ufffd"}, "key:sha256:"},
+		{"a tab is hashed", "{http.request.header.X-Api-Key}", []string{"X-Api-Key", "a\tb"}, "key:sha256:"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
@@ -116,6 +120,29 @@ func TestCustomKey(t *testing.T) {
 				t.Fatalf("key = %q, want %q", got, tc.want)
 			}
 		})
+	}
+}
+
+// A key that is not printable text is hashed, so that the listing shows it
+// faithfully: keys that differ only in bytes a listing would show as U+FFFD,
+// or in control characters, get distinct keys, all printable ASCII.
+func TestCustomKeyNotPrintable(t *testing.T) {
+	t.Parallel()
+	seen := map[string]string{}
+	for _, raw := range []string{"\xff\xfe", "\xfe\xff", "\ufffd\ufffd", "a\nb", "a\rb", "a\x00b", "a\x7fb", "a\u0085b", "a\u200bb", "\xc0\x80"} {
+		k := customKey(raw)
+		if !strings.HasPrefix(k, "key:sha256:") || len(k) != len("key:sha256:")+32 {
+			t.Errorf("customKey(%q) = %q, want a hash", raw, k)
+		}
+		if prev, dup := seen[k]; dup {
+			t.Errorf("customKey(%q) = customKey(%q) = %q", raw, prev, k)
+		}
+		seen[k] = raw
+	}
+	for _, raw := range []string{"alice", "a b", "203.0.113.5", "ключ", "鍵", "/../../config/"} {
+		if k := customKey(raw); k != "key:"+raw {
+			t.Errorf("customKey(%q) = %q, want it kept", raw, k)
+		}
 	}
 }
 
