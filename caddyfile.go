@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"errors"
+	"slices"
 	"strconv"
 	"time"
 
@@ -60,8 +61,12 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
+	seen := options{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
+		if err := seen.first(d, opt); err != nil {
+			return err
+		}
 		if opt == "store" {
 			if err := rl.unmarshalStore(d); err != nil {
 				return err
@@ -81,6 +86,9 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.Window, err = parseWindow(d, opt, val, false)
 		case "max":
 			rl.Max, err = parseInt(d, opt, val, 1)
+			if err == nil && rl.Max > MaxRequests {
+				err = d.Errf("invalid %s %q: must be at most %d", opt, val, MaxRequests)
+			}
 		case "max_tracked", "maxTracked":
 			rl.MaxTracked, err = parseInt(d, opt, val, MinMaxTracked)
 		case "key":
@@ -100,11 +108,10 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "gc_interval":
 			rl.GCInterval, err = parseDuration(d, opt, val)
 		case "enabled":
-			var on bool
-			on, err = strconv.ParseBool(val)
-			if err != nil {
-				err = d.Errf("invalid enabled %q: must be true or false", val)
+			if val != "true" && val != "false" {
+				return d.Errf("invalid enabled %q: must be true or false", val)
 			}
+			on := val == "true"
 			rl.Enabled = &on
 		case "ws_max_connections_per_ip", "wsMaxConnectionsPerIp":
 			rl.WSMaxConnectionsPerIP, err = parseInt(d, opt, val, 1)
@@ -152,13 +159,22 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 	default:
 		return d.Errf("invalid store %q: must be memory or redis", sc.Type)
 	}
+	seen := options{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
+		if opt != "address" {
+			if err := seen.first(d, opt); err != nil {
+				return err
+			}
+		}
 		switch opt {
 		case "address":
 			args := d.RemainingArgs()
 			if len(args) == 0 {
 				return d.ArgErr()
+			}
+			if slices.Contains(args, "") {
+				return d.Err(`invalid address "": must be host:port`)
 			}
 			sc.Addresses = append(sc.Addresses, args...)
 			continue
@@ -215,8 +231,37 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// options records the options a block has given, so that one given twice
+// is an error rather than "the last one wins".
+type options map[string]string
+
+// aliases maps each alias to the option it spells.
+var aliases = map[string]string{
+	"windowS":               "window",
+	"maxTracked":            "max_tracked",
+	"wsMaxConnectionsPerIp": "ws_max_connections_per_ip",
+}
+
+// first records opt (or the option it is an alias of) and fails if the
+// block gave it already.
+func (o options) first(d *caddyfile.Dispenser, opt string) error {
+	name := opt
+	if a, ok := aliases[opt]; ok {
+		name = a
+	}
+	if prev, ok := o[name]; ok {
+		if prev == opt {
+			return d.Errf("option %s given twice", opt)
+		}
+		return d.Errf("option %s given twice (as %s and %s)", name, prev, opt)
+	}
+	o[name] = opt
+	return nil
+}
+
 // oneArg returns the single argument of option opt, or an error if it has
-// none or more than one.
+// none, more than one, or an empty one: an explicitly empty value would
+// otherwise silently mean the default.
 func oneArg(d *caddyfile.Dispenser, opt string) (string, error) {
 	if !d.NextArg() {
 		return "", d.ArgErr()
@@ -224,6 +269,9 @@ func oneArg(d *caddyfile.Dispenser, opt string) (string, error) {
 	val := d.Val()
 	if d.NextArg() {
 		return "", d.Errf("%s takes one argument, got extra %q", opt, d.Val())
+	}
+	if val == "" {
+		return "", d.Errf("invalid %s \"\": must not be empty", opt)
 	}
 	return val, nil
 }

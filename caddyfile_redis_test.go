@@ -66,6 +66,17 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 		{name: "unknown option", input: "rate_limit {\n store redis {\n address a:1\n pool_size 9\n }\n}", wantErr: `unrecognized store redis option "pool_size"`},
 		{name: "key_prefix with a brace", input: "rate_limit {\n store redis {\n address a:1\n key_prefix rl{x}:\n }\n}", wantErr: `invalid key_prefix "rl{x}:"`},
 		{name: "address without value", input: "rate_limit {\n store redis {\n address\n }\n}", wantErr: "wrong argument count"},
+		{name: "empty hash_keys", input: "rate_limit {\n store redis {\n address a:1\n hash_keys \"\"\n }\n}", wantErr: `invalid hash_keys "": must not be empty`},
+		{name: "empty key_prefix", input: "rate_limit {\n store redis {\n address a:1\n key_prefix \"\"\n }\n}", wantErr: `invalid key_prefix "": must not be empty`},
+		{name: "empty address", input: "rate_limit {\n store redis {\n address \"\"\n }\n}", wantErr: `invalid address "": must be host:port`},
+		{name: "address without port", input: "rate_limit {\n store redis {\n address localhost\n }\n}", wantErr: `invalid redis address "localhost": must be host:port`},
+		{name: "port 0", input: "rate_limit {\n store redis {\n address localhost:0\n }\n}", wantErr: `invalid redis address "localhost:0": port must be a number from 1 to 65535`},
+		{name: "port 65536", input: "rate_limit {\n store redis {\n address localhost:65536\n }\n}", wantErr: `invalid redis address "localhost:65536": port must be`},
+		{name: "port by name", input: "rate_limit {\n store redis {\n address localhost:redis\n }\n}", wantErr: `invalid redis address "localhost:redis": port must be`},
+		{name: "no host", input: "rate_limit {\n store redis {\n address :6379\n }\n}", wantErr: `invalid redis address ":6379": the host is missing`},
+		{name: "timeout under 1ms", input: "rate_limit {\n store redis {\n address a:1\n timeout 999us\n }\n}", wantErr: `invalid timeout 999µs: must be at least 1ms`},
+		{name: "option twice", input: "rate_limit {\n store redis {\n address a:1\n timeout 1s\n timeout 2s\n }\n}", wantErr: `option timeout given twice`},
+		{name: "store twice", input: "rate_limit {\n store memory\n store redis {\n address a:1\n }\n}", wantErr: `option store given twice`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rl := parse(t, tc.input, tc.wantErr)
@@ -86,6 +97,7 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 func TestStoreConfigProvision(t *testing.T) {
 	t.Setenv("RL_TEST_REDIS_PASSWORD", "hunter2")
 	t.Setenv("RL_TEST_SECRET", "k")
+	t.Setenv("RL_TEST_ADDR", "h:99999")
 	sc := &StoreConfig{Type: StoreRedis, Addresses: []string{"127.0.0.1:6390"}, Password: "{env.RL_TEST_REDIS_PASSWORD}", HashKeys: "{env.RL_TEST_SECRET}"}
 	if err := sc.provision(); err != nil {
 		t.Fatal(err)
@@ -124,6 +136,10 @@ func TestStoreConfigProvision(t *testing.T) {
 		{StoreConfig{Addresses: []string{"a:1"}}, "store \"memory\" takes no options"},
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, OnError: "maybe"}, `invalid on_error "maybe"`},
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, KeyPrefix: "rl}"}, `invalid key_prefix "rl}"`},
+		{StoreConfig{Type: StoreRedis, URL: "redis://h:6379/-1"}, "invalid redis url (redacted): invalid db -1: must be 0 or more"},
+		{StoreConfig{Type: StoreRedis, URL: "redis://h:0"}, `invalid redis url (redacted): invalid redis address "h:0": port must be`},
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"{env.RL_TEST_ADDR}"}}, `invalid redis address "h:99999": port must be a number from 1 to 65535 (from "{env.RL_TEST_ADDR}")`},
+		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, Timeout: caddy.Duration(time.Microsecond)}, "invalid timeout 1µs: must be at least 1ms"},
 	} {
 		if err := tc.sc.provision(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 			t.Errorf("%+v: error %v, want one containing %q", tc.sc, err, tc.wantErr)

@@ -113,6 +113,21 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n window 106751d\n}", `must be at most 8784h0m0s`},
 		{"rate_limit {\n window 1500ms\n}", `invalid window 1.5s: must be a whole number of seconds`},
 		{"rate_limit {\n gc_interval 1ns\n}", `invalid gc_interval 1ns: must be at least 1s`},
+		{"rate_limit {\n max 9223372036854775807\n}", `invalid max "9223372036854775807": must be at most 1000000000`},
+		{"rate_limit {\n max 1000000001\n}", `invalid max "1000000001": must be at most 1000000000`},
+		{"rate_limit {\n zone \"\"\n}", `invalid zone "": must not be empty`},
+		{"rate_limit {\n zone ..\n}", `invalid zone ".."`},
+		{"rate_limit {\n key \"\"\n}", `invalid key "": must not be empty`},
+		{"rate_limit {\n key {http.request.header.X\n}", `invalid key "{http.request.header.X": placeholder at offset 0 is not closed with }`},
+		{"rate_limit {\n key \"{a}{b\"\n}", `invalid key "{a}{b": placeholder at offset 3 is not closed with }`},
+		{"rate_limit {\n key \"{a{b}\"\n}", `invalid key "{a{b}": placeholder at offset 0 is not closed with }`},
+		{"rate_limit {\n key x{}\n}", `invalid key "x{}": empty placeholder {} at offset 1`},
+		{"rate_limit {\n enabled 1\n}", `invalid enabled "1": must be true or false`},
+		{"rate_limit {\n enabled 0\n}", `invalid enabled "0": must be true or false`},
+		{"rate_limit {\n enabled T\n}", `invalid enabled "T": must be true or false`},
+		{"rate_limit {\n zone a\n zone b\n}", `option zone given twice`},
+		{"rate_limit {\n window 1m\n windowS 60\n}", `option window given twice (as window and windowS)`},
+		{"rate_limit {\n maxTracked 1000\n max_tracked 1000\n}", `option max_tracked given twice (as maxTracked and max_tracked)`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			parse(t, tc.input, tc.want)
@@ -128,7 +143,7 @@ func TestValidateJSON(t *testing.T) {
 		json string
 		want string
 	}{
-		{`{"max": -1}`, "invalid max -1: must be at least 1"},
+		{`{"max": -1}`, "invalid max -1: must be from 1 to 1000000000"},
 		{`{"window": 60}`, "invalid window 60ns: must be at least 1s"},
 		{`{"window": "-1m"}`, "invalid window -1m0s"},
 		{`{"max_tracked": 10}`, "invalid max_tracked 10: must be at least 1000"},
@@ -138,6 +153,9 @@ func TestValidateJSON(t *testing.T) {
 		{`{"window": "400d"}`, "invalid window 9600h0m0s: must be at most 8784h0m0s"},
 		{`{"zone": "a b"}`, `invalid zone "a b"`},
 		{`{"key": "static"}`, `invalid key "static"`},
+		{`{"key": "{http.request.header.X"}`, `invalid key "{http.request.header.X": placeholder at offset 0 is not closed with }`},
+		{`{"max": 1000000001}`, "invalid max 1000000001: must be from 1 to 1000000000"},
+		{`{"zone": ".."}`, `invalid zone ".."`},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
 			var rl RateLimit

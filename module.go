@@ -34,6 +34,9 @@ const (
 	// MaxWindow is the longest window accepted.
 	MaxWindow = 366 * 24 * time.Hour
 
+	// MaxRequests is the highest max accepted.
+	MaxRequests = 1_000_000_000
+
 	// MinMaxTracked is the lowest max_tracked accepted: below it, eviction
 	// would let a handful of clients reset each other's windows.
 	MinMaxTracked = 1000
@@ -63,7 +66,8 @@ const (
 type RateLimit struct {
 	// Zone names the counters this handler uses. Handlers naming the same
 	// zone share one set of counters and must agree on its settings.
-	// Default: "default".
+	// Letters, digits and _ - . : only. Default: "default" (as is "" in
+	// JSON; the Caddyfile refuses an empty value).
 	Zone string `json:"zone,omitempty"`
 
 	// Window is the length of the fixed window in which up to Max requests
@@ -73,8 +77,8 @@ type RateLimit struct {
 	// as seconds. Default: 1m.
 	Window caddy.Duration `json:"window,omitempty"`
 
-	// Max is the number of requests admitted per key per window. At least 1.
-	// Default: 300.
+	// Max is the number of requests admitted per key per window. From 1 to
+	// 1000000000. Default: 300 (0 in JSON means the default).
 	Max int `json:"max,omitempty"`
 
 	// MaxTracked bounds the memory a zone uses: at most this many keys are
@@ -84,8 +88,11 @@ type RateLimit struct {
 
 	// Key is a placeholder that names the client, such as
 	// "{http.request.header.X-API-Key}". A key that resolves empty falls back
-	// to the client IP. Default: the client IP, as Caddy resolves it through
-	// the server's trusted_proxies (the {client_ip} placeholder).
+	// to the client IP. A key that is longer than 128 bytes, not valid UTF-8
+	// or holds control or format characters is counted and listed as
+	// "key:sha256:" and a hash. Every { must be closed by a }. Default: the
+	// client IP, as Caddy resolves it through the server's trusted_proxies
+	// (the {client_ip} placeholder).
 	Key string `json:"key,omitempty"`
 
 	// IPv6Prefix groups IPv6 clients by network: all addresses in one prefix
@@ -360,8 +367,8 @@ func (rl *RateLimit) setHeaders(h http.Header, v Verdict, reset int64, now time.
 // check reports every invalid setting, naming the option and its value.
 func (rl *RateLimit) check() error {
 	var errs []error
-	if rl.Max < 0 {
-		errs = append(errs, fmt.Errorf("invalid max %d: must be at least 1", rl.Max))
+	if rl.Max < 0 || rl.Max > MaxRequests {
+		errs = append(errs, fmt.Errorf("invalid max %d: must be from 1 to %d", rl.Max, MaxRequests))
 	}
 	if w := time.Duration(rl.Window); w < 0 || (w > 0 && w < time.Second) {
 		errs = append(errs, fmt.Errorf("invalid window %s: must be at least 1s (a bare number in JSON is nanoseconds; write \"60s\")", w))
@@ -373,7 +380,9 @@ func (rl *RateLimit) check() error {
 	if !validZoneName(rl.Zone) {
 		errs = append(errs, fmt.Errorf("invalid zone %q: use letters, digits and _ - . : only", rl.Zone))
 	}
-	if rl.Key != "" && !strings.Contains(rl.Key, "{") {
+	if err := checkPlaceholders(rl.Key); err != nil {
+		errs = append(errs, fmt.Errorf("invalid key %q: %v", rl.Key, err))
+	} else if rl.Key != "" && !strings.Contains(rl.Key, "{") {
 		errs = append(errs, fmt.Errorf("invalid key %q: must hold a placeholder such as {http.request.header.X-API-Key}, or every client would share one counter", rl.Key))
 	}
 	if rl.MaxTracked != 0 && rl.MaxTracked < MinMaxTracked {
@@ -417,8 +426,11 @@ func (rl *RateLimit) zoneSettings() string {
 
 // validZoneName reports whether name is a usable zone name: it appears in
 // header values, admin API paths and Redis keys, so it is kept to a plain
-// token. "" is valid (the default zone).
+// token, and never a dot segment. "" is valid (the default zone).
 func validZoneName(name string) bool {
+	if name == "." || name == ".." {
+		return false
+	}
 	for _, c := range name {
 		switch {
 		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '-', c == '.', c == ':':
@@ -427,6 +439,34 @@ func validZoneName(name string) bool {
 		}
 	}
 	return true
+}
+
+// checkPlaceholders reports a malformed placeholder in s: a { with no }
+// before the next { or the end, or an empty {}. Caddy's replacer leaves such
+// text as it is, so a key with a typo would never name the client. A
+// backslash escapes the next character, as it does for the replacer.
+func checkPlaceholders(s string) error {
+	open := -1
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case '\\':
+			i++
+		case '{':
+			if open >= 0 {
+				return fmt.Errorf("placeholder at offset %d is not closed with }", open)
+			}
+			open = i
+		case '}':
+			if open == i-1 {
+				return fmt.Errorf("empty placeholder {} at offset %d", open)
+			}
+			open = -1
+		}
+	}
+	if open >= 0 {
+		return fmt.Errorf("placeholder at offset %d is not closed with }", open)
+	}
+	return nil
 }
 
 // ceilSeconds converts nanoseconds to whole seconds, rounding up.

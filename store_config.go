@@ -6,7 +6,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -29,6 +31,9 @@ const (
 	// MaxRedisTimeout is the longest timeout accepted, and the client's
 	// read and write timeout.
 	MaxRedisTimeout = 10 * time.Second
+	// MinRedisTimeout is the shortest timeout accepted: below it no round
+	// trip completes, and every decision would be made as on_error says.
+	MinRedisTimeout = time.Millisecond
 )
 
 // redisClients holds the Redis clients, one per distinct connection config.
@@ -46,7 +51,8 @@ type StoreConfig struct {
 	// Default: "memory".
 	Type string `json:"type,omitempty"`
 
-	// Addresses are the Redis servers as host:port. One address is a
+	// Addresses are the Redis servers as host:port (a port from 1 to
+	// 65535). One address is a
 	// single server; several are the seed nodes of a Redis Cluster (or, with
 	// master_name, Sentinels). Placeholders such as {env.REDIS_ADDR} are
 	// replaced when the config loads. Either addresses or url is required.
@@ -79,11 +85,12 @@ type StoreConfig struct {
 	// KeyPrefix starts every key the store writes, followed by the zone
 	// name, so several zones and applications can share one Redis. It may
 	// not hold { or } (the keys' Cluster hash tag). Default:
-	// "caddy_rate_limit:".
+	// "caddy_rate_limit:" (as is "" in JSON; the Caddyfile refuses an empty
+	// value).
 	KeyPrefix string `json:"key_prefix,omitempty"`
 
 	// Timeout bounds the Redis round trip of one decision; past it the
-	// decision is made as on_error says. At most 10s. Default: 100ms.
+	// decision is made as on_error says. From 1ms to 10s. Default: 100ms.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// OnError says what happens to a request when Redis fails or times
@@ -96,7 +103,10 @@ type StoreConfig struct {
 	// HashKeys, when set, is a secret: keys are written to Redis as
 	// HMAC-SHA256(secret, key) in hex, so Redis holds no IP address or API
 	// key, and the admin listing shows hashes. Write a placeholder such as
-	// {env.RL_SECRET}. Changing it starts every key afresh. Default: none.
+	// {env.RL_SECRET}. Changing it starts every key afresh. A placeholder
+	// that resolves empty fails the config load. Default: none (as is "" in
+	// JSON; the Caddyfile refuses an empty value, which would otherwise
+	// store raw keys).
 	HashKeys string `json:"hash_keys,omitempty"`
 
 	// Set by provision: the options with placeholders replaced.
@@ -134,8 +144,11 @@ func (sc *StoreConfig) check() error {
 		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got a url and address %q", sc.Addresses[0]))
 	}
 	for _, a := range sc.Addresses {
-		if a == "" {
-			errs = append(errs, errors.New("invalid redis address \"\": must be host:port"))
+		if strings.Contains(a, "{") {
+			continue // a placeholder: checked once replaced, in provision
+		}
+		if err := checkAddress(a); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if strings.ContainsAny(sc.KeyPrefix, "{}") {
@@ -144,8 +157,8 @@ func (sc *StoreConfig) check() error {
 	if sc.DB < 0 {
 		errs = append(errs, fmt.Errorf("invalid db %d: must be 0 or more", sc.DB))
 	}
-	if sc.Timeout < 0 {
-		errs = append(errs, fmt.Errorf("invalid timeout %s: must be positive", time.Duration(sc.Timeout)))
+	if sc.Timeout < 0 || (sc.Timeout > 0 && time.Duration(sc.Timeout) < MinRedisTimeout) {
+		errs = append(errs, fmt.Errorf("invalid timeout %s: must be at least %s", time.Duration(sc.Timeout), MinRedisTimeout))
 	} else if time.Duration(sc.Timeout) > MaxRedisTimeout {
 		errs = append(errs, fmt.Errorf("invalid timeout %s: must be at most %s", time.Duration(sc.Timeout), MaxRedisTimeout))
 	}
@@ -191,7 +204,11 @@ func (sc *StoreConfig) provision() error {
 		MasterName: repl.ReplaceKnown(sc.MasterName, ""),
 	}
 	for _, a := range sc.Addresses {
-		opts.Addrs = append(opts.Addrs, repl.ReplaceKnown(a, ""))
+		addr := repl.ReplaceKnown(a, "")
+		if err := checkAddress(addr); err != nil {
+			return fmt.Errorf("%v (from %q)", err, a)
+		}
+		opts.Addrs = append(opts.Addrs, addr)
 	}
 	if sc.TLS {
 		opts.TLSConfig = &tls.Config{MinVersion: tls.VersionTLS12}
@@ -201,6 +218,12 @@ func (sc *StoreConfig) provision() error {
 		o, err := redis.ParseURL(u)
 		if err != nil {
 			return fmt.Errorf("invalid redis url (%s): %v", sc.urlSource(), redactURLError(err))
+		}
+		if o.DB < 0 {
+			return fmt.Errorf("invalid redis url (%s): invalid db %d: must be 0 or more", sc.urlSource(), o.DB)
+		}
+		if err := checkAddress(o.Addr); err != nil {
+			return fmt.Errorf("invalid redis url (%s): %v", sc.urlSource(), err)
 		}
 		opts.Addrs = []string{o.Addr}
 		opts.Username, opts.Password, opts.DB, opts.TLSConfig = o.Username, o.Password, o.DB, o.TLSConfig
@@ -237,6 +260,22 @@ func (sc *StoreConfig) provision() error {
 	sc.connKey = fmt.Sprintf("addrs=%s master=%s user=%s pass=%s db=%d tls=%t",
 		strings.Join(opts.Addrs, ","), opts.MasterName, opts.Username, digest(opts.Password), opts.DB, tlsOn)
 	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)))
+	return nil
+}
+
+// checkAddress reports whether addr is host:port with a host and a port
+// from 1 to 65535, naming it if not.
+func checkAddress(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("invalid redis address %q: must be host:port", addr)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("invalid redis address %q: port must be a number from 1 to 65535", addr)
+	}
+	if host == "" {
+		return fmt.Errorf("invalid redis address %q: the host is missing", addr)
+	}
 	return nil
 }
 
