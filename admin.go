@@ -324,7 +324,14 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	}
 	best := topKeys{k: k, items: make([]KeyState, 0, size)}
 	total := 0
+	t := now.UnixNano()
 	err := z.store.Range(ctx, now, func(ks KeyState) bool {
+		// A window a reload shortened is listed as it now ends.
+		reset := lim.end(ks.Reset.UnixNano(), t)
+		if t >= reset {
+			return true
+		}
+		ks.Reset = time.Unix(0, reset)
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
 		}

@@ -15,6 +15,31 @@ type Limit struct {
 	// Max is the number of requests admitted per key per window. It must be
 	// at least 1.
 	Max int
+	// Since is when Window took its value (a config reload that changed
+	// it). A window begun earlier under a longer Window ends at
+	// Since+Window at the latest, so a shorter window applies to running
+	// windows at once. Zero: such a window ends a Window after the key's
+	// next request at the latest.
+	Since time.Time
+}
+
+// end returns when a window that would end at reset (Unix nanoseconds) ends
+// under l at t. Only a window begun under a longer Window, one that would
+// end more than a Window after t, is cut short.
+func (l Limit) end(reset, t int64) int64 {
+	if reset-t <= int64(l.Window) {
+		return reset
+	}
+	return min(reset, l.cutoff(t))
+}
+
+// cutoff returns when, at t, a window begun under a longer Window ends at the
+// latest (Unix nanoseconds; at or before t when it has ended).
+func (l Limit) cutoff(t int64) int64 {
+	if l.Since.IsZero() {
+		return t + int64(l.Window)
+	}
+	return l.Since.UnixNano() + int64(l.Window)
 }
 
 // Verdict is a store's answer to one Hit: whether the request is admitted and

@@ -113,11 +113,9 @@ func (s *MemoryStore) Hit(_ context.Context, key string, now time.Time, limit Li
 		e.reset = t + int64(limit.Window)
 		sh.order = append(sh.order, orderItem{key: key, seq: e.seq})
 		s.tracked.Add(1)
-	} else if t >= e.reset {
+	} else if e.reset = limit.end(e.reset, t); t >= e.reset {
 		e.count, e.refused = 0, 0
 		e.reset = t + int64(limit.Window)
-	} else if e.reset > t+int64(limit.Window) {
-		e.reset = t + int64(limit.Window) // a reload shortened the window
 	}
 	v := Verdict{Limit: limit.Max}
 	if e.count < int64(limit.Max) {

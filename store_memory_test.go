@@ -296,3 +296,29 @@ func TestMemoryStoreWindowChange(t *testing.T) {
 		t.Fatalf("after lengthening = %+v, want the running window kept until %v", v, t0.Add(3*time.Minute))
 	}
 }
+
+// After a reload shortens the window (Limit.Since), a window begun under the
+// longer one ends a new window after the reload at the latest, however often
+// the key comes back in between: its requests never push the end further.
+func TestMemoryStoreWindowShortenedSince(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(1000)
+	long := Limit{Window: 2 * time.Minute, Max: 2}
+	for range 3 {
+		hit(t, s, "k", t0, long)
+	}
+	short := Limit{Window: 5 * time.Second, Max: 2, Since: t0.Add(time.Second)}
+	for _, at := range []time.Duration{2 * time.Second, 4 * time.Second, 5900 * time.Millisecond} {
+		v := hit(t, s, "k", t0.Add(at), short)
+		if v.Allowed || !v.Reset.Equal(t0.Add(6*time.Second)) {
+			t.Fatalf("%s on: %+v, want refused until the reload plus 5s (%v)", at, v, t0.Add(6*time.Second))
+		}
+	}
+	if v := hit(t, s, "k", t0.Add(6*time.Second), short); !v.Allowed || !v.Reset.Equal(t0.Add(11*time.Second)) {
+		t.Fatalf("5s after the reload: %+v, want a fresh 5s window", v)
+	}
+	// A window begun after the reload is not cut short.
+	if v := hit(t, s, "k", t0.Add(10*time.Second), short); !v.Allowed || !v.Reset.Equal(t0.Add(11*time.Second)) {
+		t.Fatalf("in the new window: %+v, want it to end at %v", v, t0.Add(11*time.Second))
+	}
+}

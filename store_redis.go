@@ -222,7 +222,8 @@ func (s *RedisStore) hitRedis(ctx context.Context, key string, now time.Time, li
 	defer cancel()
 	base := s.base(s.tag(key))
 	keys := []string{base + "c", base + "r"}
-	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds()).Int64Slice()
+	cutoff := (limit.cutoff(now.UnixNano()) - now.UnixNano()) / int64(time.Millisecond)
+	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds(), cutoff).Int64Slice()
 	if err != nil {
 		return Verdict{}, err
 	}
@@ -424,7 +425,7 @@ const probeTag = "__probe"
 // would cycle between degraded and recovering.
 func (s *RedisStore) probeOnce(ctx context.Context) error {
 	base := s.base(probeTag)
-	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r"}, 1<<30, 1000).Err()
+	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r"}, 1<<30, 1000, 1000).Err()
 }
 
 // tag returns the part of the Redis keys that names the client: the key
@@ -667,10 +668,9 @@ func (c *refusedCache) get(key string, t int64, limit Limit) (int64, bool) {
 	if !ok {
 		return 0, false
 	}
-	// An entry resetting later than a window from now was cached under a
-	// longer window (a reload shortened it): Redis, which clamps the
-	// window, decides instead.
-	if t >= e.reset || e.reset-t > int64(limit.Window) {
+	// An entry that a shorter window cuts short (a reload shortened it)
+	// goes: Redis, which cuts its window too, decides instead.
+	if t >= e.reset || limit.end(e.reset, t) != e.reset {
 		delete(sh.m, key)
 		return 0, false
 	}

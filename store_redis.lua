@@ -5,30 +5,42 @@
 --
 -- KEYS[1]  count key    KEYS[2]  refused key
 -- ARGV[1]  max          ARGV[2]  window in milliseconds
+-- ARGV[3]  cutoff: milliseconds from now at which a window begun under a
+--          longer window (a reload shortened it) ends at the latest; at or
+--          below 0 it has ended
 -- Returns {allowed (1|0), count, milliseconds to reset, refused}.
 local max = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
--- left returns the milliseconds to the window's end, setting the expiry when
--- the key has none (so no key outlives its window) or more than one window
--- left (so a reload that shortens the window applies to running windows).
-local function left()
-	local ttl = redis.call('PTTL', KEYS[1])
-	if ttl < 0 or ttl > window then
-		redis.call('PEXPIRE', KEYS[1], window)
-		ttl = window
+local cutoff = tonumber(ARGV[3])
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > window then
+	if cutoff <= 0 then
+		redis.call('DEL', KEYS[1], KEYS[2])
+		ttl = -2
+	else
+		redis.call('PEXPIRE', KEYS[1], cutoff)
+		redis.call('PEXPIRE', KEYS[2], cutoff)
+		ttl = cutoff
 	end
-	return ttl
+end
+-- ttl is -2 for a new window and -1 for a count key without an expiry (never
+-- written by this script): either way the window starts now, so no key
+-- outlives its window.
+local fresh = ttl < 0
+if fresh then
+	ttl = window
 end
 local count = tonumber(redis.call('GET', KEYS[1]) or '0')
 if count < max then
 	count = redis.call('INCR', KEYS[1])
-	if count == 1 then
+	if fresh then
 		redis.call('PEXPIRE', KEYS[1], window)
-		return {1, count, window, 0}
 	end
-	return {1, count, left(), 0}
+	return {1, count, ttl, 0}
 end
-local ttl = left()
+if fresh then
+	redis.call('PEXPIRE', KEYS[1], window)
+end
 local refused = redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ttl)
 return {0, count, ttl, refused}

@@ -161,6 +161,46 @@ func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 	}
 }
 
+// After a reload shortens the window (Limit.Since), a key refused under the
+// longer one is admitted a new window after the reload, however often it
+// comes back in between; the refused tally starts afresh with the window.
+func TestRedisStoreWindowShortenedSince(t *testing.T) {
+	srv := redistest.Start(t)
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	now := time.Now()
+	long := Limit{Window: 2 * time.Minute, Max: 2}
+	for range 3 {
+		s.Hit(ctx, "k", now, long)
+	}
+	short := Limit{Window: 2 * time.Second, Max: 2, Since: now}
+	srv.Sleep(time.Second) // the key's first request after the reload comes late
+	for range 3 {
+		v, err := s.Hit(ctx, "k", time.Now(), short)
+		if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
+			t.Fatalf("after the reload: %+v, %v; want refused by redis within 2s", v, err)
+		}
+	}
+	srv.Sleep(time.Until(now.Add(2100 * time.Millisecond)))
+	v, err := s.Hit(ctx, "k", time.Now(), short)
+	if err != nil || !v.Allowed || v.Remaining != 1 {
+		t.Fatalf("2s after the reload: %+v, %v; want a fresh window", v, err)
+	}
+	var got []KeyState
+	s.Range(ctx, time.Now(), func(ks KeyState) bool { got = append(got, ks); return true })
+	if len(got) != 1 || got[0].Count != 1 || got[0].Refused != 0 {
+		t.Fatalf("listing = %+v, want k with count 1 and no refusals", got)
+	}
+	// A reload whose window already ended: the old window goes at once.
+	for range 3 {
+		s.Hit(ctx, "j", time.Now(), long)
+	}
+	gone := Limit{Window: time.Second, Max: 2, Since: time.Now().Add(-time.Second)}
+	if v, err := s.Hit(ctx, "j", time.Now(), gone); err != nil || !v.Allowed || v.Remaining != 1 {
+		t.Fatalf("window already over: %+v, %v; want a fresh window", v, err)
+	}
+}
+
 // A Redis that answers PING but fails every decision (here: out of memory)
 // keeps the store DEGRADED: the probe runs the decision script, so the
 // store does not cycle through RECOVERING. Once Redis takes writes again

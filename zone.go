@@ -132,10 +132,20 @@ func newZone(rl *RateLimit) *zone {
 	return z
 }
 
-// hold records that rl uses the zone and applies its settings.
+// hold records that rl uses the zone and applies its settings. A window
+// other than the running one takes effect now: rl's limit records when, so
+// that windows begun under a longer one end a new window from now at the
+// latest.
 func (z *zone) hold(rl *RateLimit) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
+	if n := len(z.holders); n > 0 {
+		if running := z.holders[n-1].limit; running.Window == rl.limit.Window {
+			rl.limit.Since = running.Since
+		} else {
+			rl.limit.Since = time.Now()
+		}
+	}
 	z.holders = append(z.holders, rl)
 	z.apply(rl)
 }
