@@ -76,10 +76,11 @@ func (a AdminAPI) Routes() []caddy.AdminRoute {
 // serveHTTP dispatches on the path: the zone list, or one zone.
 func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 	path := r.URL.EscapedPath()
-	rest, ok := strings.CutPrefix(path, adminPrefix)
-	if !ok && path+"/" != adminPrefix {
+	rest, ok := strings.CutPrefix(path+"/", adminPrefix)
+	if !ok {
 		return apiError(http.StatusNotFound, fmt.Errorf("no rate limit endpoint at %q", path))
 	}
+	rest = strings.TrimSuffix(rest, "/")
 	if rest == "" {
 		if err := allowMethod(w, r, http.MethodGet); err != nil {
 			return err

@@ -58,6 +58,7 @@ type keyInfo struct {
 	Remaining int    `json:"remaining"`
 	Reset     int64  `json:"reset"`
 	Limited   bool   `json:"limited"`
+	Unblock   string `json:"unblock"`
 }
 
 // keyList is the reply to GET /rate_limit/<zone>.
@@ -107,6 +108,24 @@ func checkListing(t *testing.T, zone string, cases []listingCase) {
 				tc.query, got.Zone, got.Total, got.keys(), zone, tc.total, tc.keys)
 		}
 	}
+}
+
+// unblockPath returns the unblock path the zone's listing gives for key,
+// as an operator would copy it, and fails if the listing lacks the key.
+func unblockPath(t *testing.T, zone, key string) string {
+	t.Helper()
+	var got keyList
+	adminJSON(t, "/rate_limit/"+zone+"?limit=1000", &got)
+	for _, k := range got.Keys {
+		if k.Key == key {
+			if !strings.HasPrefix(k.Unblock, "/rate_limit/"+zone+"?key=") {
+				t.Fatalf("key %q: unblock %q, want /rate_limit/%s?key=…", key, k.Unblock, zone)
+			}
+			return k.Unblock
+		}
+	}
+	t.Fatalf("zone %s does not list key %q: %+v", zone, key, got)
+	return ""
 }
 
 func (l keyList) keys() string {
@@ -191,8 +210,9 @@ func TestAdminAPI(t *testing.T) {
 			text         string
 		}{
 			{http.MethodGet, "/rate_limit/no-such-zone", http.StatusNotFound, `unknown rate limit zone \"no-such-zone\"`},
-			{http.MethodDelete, "/rate_limit/no-such-zone/203.0.113.1", http.StatusNotFound, "unknown rate limit zone"},
-			{http.MethodDelete, "/rate_limit/e2e-admin/192.0.2.99", http.StatusNotFound, "not tracked"},
+			{http.MethodDelete, "/rate_limit/no-such-zone?key=203.0.113.1", http.StatusNotFound, "unknown rate limit zone"},
+			{http.MethodDelete, "/rate_limit/e2e-admin?key=192.0.2.99", http.StatusNotFound, "not tracked"},
+			{http.MethodDelete, "/rate_limit/e2e-admin/203.0.113.1", http.StatusBadRequest, "a key goes in the query"},
 			{http.MethodPost, "/rate_limit/", http.StatusMethodNotAllowed, "method POST not allowed"},
 			{http.MethodPut, "/rate_limit/e2e-admin", http.StatusMethodNotAllowed, "method PUT not allowed"},
 			{http.MethodGet, "/rate_limit/e2e-admin?limit=5000", http.StatusBadRequest, `invalid limit \"5000\"`},
@@ -210,7 +230,7 @@ func TestAdminAPI(t *testing.T) {
 	t.Run("delete unblocks", func(t *testing.T) {
 		resp, _ := s.get("/", "X-Forwarded-For", "203.0.113.1")
 		wantStatus(t, resp, http.StatusTooManyRequests)
-		if status, body := admin(t, http.MethodDelete, "/rate_limit/e2e-admin/203.0.113.1"); status != http.StatusOK {
+		if status, body := admin(t, http.MethodDelete, unblockPath(t, "e2e-admin", "203.0.113.1")); status != http.StatusOK {
 			t.Fatalf("DELETE: %d %s", status, body)
 		}
 		resp, _ = s.get("/", "X-Forwarded-For", "203.0.113.1")
@@ -224,7 +244,7 @@ func TestAdminAPI(t *testing.T) {
 			resp, _ = s.get("/", "X-Forwarded-For", fmt.Sprintf("2001:db8::%d", i+1))
 		}
 		wantStatus(t, resp, http.StatusTooManyRequests)
-		if status, body := admin(t, http.MethodDelete, "/rate_limit/e2e-admin/2001:db8::/64"); status != http.StatusOK {
+		if status, body := admin(t, http.MethodDelete, unblockPath(t, "e2e-admin", "2001:db8::/64")); status != http.StatusOK {
 			t.Fatalf("DELETE of an IPv6 prefix: %d %s", status, body)
 		}
 		resp, _ = s.get("/", "X-Forwarded-For", "2001:db8::99")

@@ -121,7 +121,7 @@ func TestRedisAdminAPI(t *testing.T) {
 		// Refused now: from the in-process cache, without asking Redis.
 		resp, _ := s.get("/", "X-Forwarded-For", "203.0.113.1")
 		wantStatus(t, resp, http.StatusTooManyRequests)
-		status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"/203.0.113.1")
+		status, body := admin(t, http.MethodDelete, unblockPath(t, zone, "203.0.113.1"))
 		if status != http.StatusOK || !strings.Contains(body, `"forgotten":true`) {
 			t.Fatalf("DELETE: %d %s, want 200 forgotten", status, body)
 		}
@@ -137,7 +137,7 @@ func TestRedisAdminAPI(t *testing.T) {
 		wantStatus(t, resp, http.StatusTooManyRequests)
 
 		// A second DELETE of a key no longer tracked is a 404.
-		if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"/192.0.2.99"); status != http.StatusNotFound || !strings.Contains(body, "not tracked") {
+		if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"?key=192.0.2.99"); status != http.StatusNotFound || !strings.Contains(body, "not tracked") {
 			t.Errorf("DELETE of an untracked key: %d %s, want 404 not tracked", status, body)
 		}
 
@@ -146,7 +146,7 @@ func TestRedisAdminAPI(t *testing.T) {
 			resp, _ = s.get("/", "X-Forwarded-For", fmt.Sprintf("2001:db8::%d", i+1))
 		}
 		wantStatus(t, resp, http.StatusTooManyRequests)
-		if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"/2001:db8::/64"); status != http.StatusOK {
+		if status, body := admin(t, http.MethodDelete, unblockPath(t, zone, "2001:db8::/64")); status != http.StatusOK {
 			t.Fatalf("DELETE of an IPv6 prefix: %d %s", status, body)
 		}
 		resp, _ = s.get("/", "X-Forwarded-For", "2001:db8::99")
@@ -182,9 +182,9 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 	}
 	// 203.0.113.21 and .22 both have 3 admitted, so the refusals rank them.
 	wantKeys := []keyInfo{
-		{Key: h21, Count: 3, Refused: 2, Remaining: 0, Limited: true},
-		{Key: h22, Count: 3, Refused: 1, Remaining: 0, Limited: true},
-		{Key: h23, Count: 1, Refused: 0, Remaining: 2, Limited: false},
+		{Key: h21, Count: 3, Refused: 2, Remaining: 0, Limited: true, Unblock: "/rate_limit/" + zone + "?key=" + h21},
+		{Key: h22, Count: 3, Refused: 1, Remaining: 0, Limited: true, Unblock: "/rate_limit/" + zone + "?key=" + h22},
+		{Key: h23, Count: 1, Refused: 0, Remaining: 2, Limited: false, Unblock: "/rate_limit/" + zone + "?key=" + h23},
 	}
 	for i, w := range wantKeys {
 		k := got.Keys[i]
@@ -208,7 +208,7 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 	// DELETE by the raw client IP unblocks it.
 	resp, _ := s.get("/", "X-Forwarded-For", "203.0.113.21")
 	wantStatus(t, resp, http.StatusTooManyRequests)
-	if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"/203.0.113.21"); status != http.StatusOK {
+	if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"?key=203.0.113.21"); status != http.StatusOK {
 		t.Fatalf("DELETE by IP: %d %s", status, body)
 	}
 	resp, _ = s.get("/", "X-Forwarded-For", "203.0.113.21")
@@ -218,7 +218,7 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 	// DELETE by the hash the listing shows unblocks too.
 	resp, _ = s.get("/", "X-Forwarded-For", "203.0.113.22")
 	wantStatus(t, resp, http.StatusTooManyRequests)
-	if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"/"+h22); status != http.StatusOK {
+	if status, body := admin(t, http.MethodDelete, "/rate_limit/"+zone+"?key="+h22); status != http.StatusOK {
 		t.Fatalf("DELETE by hash: %d %s", status, body)
 	}
 	resp, _ = s.get("/", "X-Forwarded-For", "203.0.113.22")
