@@ -92,7 +92,7 @@ func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 	}
 	name, err := url.PathUnescape(rest)
 	if err != nil || strings.Contains(name, "/") || name == "." || name == ".." {
-		return apiError(http.StatusBadRequest, fmt.Errorf("invalid path %q: want /rate_limit/<zone>; a key goes in the query: DELETE /rate_limit/<zone>?key=<key>", path))
+		return apiError(http.StatusBadRequest, fmt.Errorf("invalid path %q: want /rate_limit/ZONE; a key goes in the query: DELETE /rate_limit/ZONE?key=KEY", path))
 	}
 	switch r.Method {
 	case http.MethodGet:
@@ -134,7 +134,7 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string
 	}
 	key, ok := params["key"]
 	if !ok || key == "" {
-		return apiError(http.StatusBadRequest, fmt.Errorf("missing query parameter key: DELETE /rate_limit/<zone>?key=<key>, as each listed key's unblock gives it"))
+		return apiError(http.StatusBadRequest, fmt.Errorf("missing query parameter key: DELETE /rate_limit/ZONE?key=KEY, as each listed key's unblock gives it"))
 	}
 	z := findZone(name)
 	if z == nil {
@@ -256,7 +256,7 @@ func parseQuery(raw string, allowed ...string) (map[string]string, error) {
 		rawName, rawVal, hasVal := strings.Cut(pair, "=")
 		name, err := url.QueryUnescape(rawName)
 		if err != nil || rawName == "" || strings.Contains(pair, ";") || !hasVal {
-			return nil, fmt.Errorf("malformed query parameter %q: want name=value, joined by &", pair)
+			return nil, fmt.Errorf("malformed query parameter %q: want name=value pairs", pair)
 		}
 		if !slices.Contains(allowed, name) {
 			if len(allowed) == 0 {

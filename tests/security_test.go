@@ -372,3 +372,35 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 		wantHeader(t, resp, "X-RateLimit-Remaining", "1")
 	}
 }
+
+// Behind a proxy that appends to X-Forwarded-For, a client that sends its own
+// header picks its key unless trusted_proxies_strict is set; with it, the key
+// is the address the proxy saw, as docs/security.md says.
+func TestTrustedProxiesStrict(t *testing.T) {
+	site := `
+:$PORT {
+	rate_limit {
+		zone %s
+		max 2
+	}
+	respond "{client_ip}"
+}`
+	// The test client plays the proxy (127.0.0.1, trusted) that appended
+	// the client's real address, 203.0.113.50, to what the client sent.
+	forwarded := func(spoofed string) string { return spoofed + ", 203.0.113.50" }
+	lax := startCaddy(t, "servers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t}", fmt.Sprintf(site, "e2e-xff-lax"))
+	for i := range 4 {
+		resp, body := lax.get("/", "X-Forwarded-For", forwarded(fmt.Sprintf("198.51.100.%d", i)))
+		if resp.StatusCode != http.StatusOK || body != fmt.Sprintf("198.51.100.%d", i) {
+			t.Fatalf("without strict, request %d: %d, client_ip %q; want the spoofed address admitted", i+1, resp.StatusCode, body)
+		}
+	}
+	strict := startCaddy(t, "servers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t\ttrusted_proxies_strict\n\t}", fmt.Sprintf(site, "e2e-xff-strict"))
+	for i := range 3 {
+		resp, body := strict.get("/", "X-Forwarded-For", forwarded(fmt.Sprintf("198.51.100.%d", i)))
+		want := map[bool]int{true: http.StatusOK, false: http.StatusTooManyRequests}[i < 2]
+		if resp.StatusCode != want || (want == http.StatusOK && body != "203.0.113.50") {
+			t.Fatalf("with strict, request %d: %d, client_ip %q; want %d keyed by 203.0.113.50", i+1, resp.StatusCode, body, want)
+		}
+	}
+}
