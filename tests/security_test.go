@@ -344,7 +344,7 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 	time.Sleep(time.Second) // the window has run a while when the reload comes
 	s.reload("", fmt.Sprintf(site, "5", srv.Addr))
 	reloaded := time.Now()
-	latest := reloaded.Add(5 * time.Second).Unix() + 1
+	latest := reloaded.Add(5*time.Second).Unix() + 1
 
 	for _, zone := range []string{"e2e-shorten-memory", "e2e-shorten-redis"} {
 		var list keyList
