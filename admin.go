@@ -39,6 +39,7 @@ const adminPrefix = "/rate_limit/"
 //	GET    /rate_limit/                 every zone with its settings and totals
 //	GET    /rate_limit/<zone>           the zone's tracked keys, busiest first
 //	DELETE /rate_limit/<zone>?key=<key> forget a key at once (an unblock)
+//	GET    /rate_limit/ui               the dashboard, a page that reads the above
 //
 // The key listing takes the query parameters limited=true (only keys over
 // their limit now), q=<prefix> (only keys starting with it), offset and limit
@@ -89,6 +90,9 @@ func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 			return apiError(http.StatusBadRequest, err)
 		}
 		return writeJSON(w, listZones(r.Context()))
+	}
+	if rest == dashboardZone {
+		return serveDashboard(w, r)
 	}
 	name, err := url.PathUnescape(rest)
 	if err != nil || strings.Contains(name, "/") || name == "." || name == ".." {

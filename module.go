@@ -66,7 +66,8 @@ const (
 type RateLimit struct {
 	// Zone names the counters this handler uses. Handlers naming the same
 	// zone share one set of counters and must agree on its settings.
-	// Letters, digits and _ - . : only. Default: "default" (as is "" in
+	// Letters, digits and _ - . : only, and not "ui" (the admin
+	// dashboard's path). Default: "default" (as is "" in
 	// JSON; the Caddyfile refuses an empty value).
 	Zone string `json:"zone,omitempty"`
 
@@ -379,6 +380,8 @@ func (rl *RateLimit) check() error {
 	}
 	if !validZoneName(rl.Zone) {
 		errs = append(errs, fmt.Errorf("invalid zone %q: use letters, digits and _ - . : only", rl.Zone))
+	} else if rl.Zone == dashboardZone {
+		errs = append(errs, fmt.Errorf("invalid zone %q: the name is the admin dashboard's (/rate_limit/%s)", rl.Zone, dashboardZone))
 	}
 	if err := checkPlaceholders(rl.Key); err != nil {
 		errs = append(errs, fmt.Errorf("invalid key %q: %v", rl.Key, err))

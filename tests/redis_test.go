@@ -54,12 +54,20 @@ var caddyBinary = sync.OnceValues(func() (string, error) {
 // stopped when the test ends.
 func startCaddyProcess(t *testing.T, site string) string {
 	t.Helper()
+	port := freePort()
+	cfg := fmt.Sprintf(globals, freePort(), port, freePort(), "") + strings.ReplaceAll(site, "$PORT", fmt.Sprint(port))
+	return runCaddyProcess(t, cfg, port)
+}
+
+// runCaddyProcess runs the built Caddy binary with the whole Caddyfile cfg,
+// waits until it listens on port and returns its base URL. It is stopped
+// when the test ends.
+func runCaddyProcess(t *testing.T, cfg string, port int) string {
+	t.Helper()
 	bin, err := caddyBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := freePort()
-	cfg := fmt.Sprintf(globals, freePort(), port, freePort(), "") + strings.ReplaceAll(site, "$PORT", fmt.Sprint(port))
 	file := filepath.Join(t.TempDir(), "Caddyfile")
 	if err := os.WriteFile(file, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)

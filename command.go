@@ -1,0 +1,166 @@
+package ratelimit
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	caddycmd "github.com/caddyserver/caddy/v2/cmd"
+)
+
+func init() {
+	caddycmd.RegisterCommand(caddycmd.Command{
+		Name:  "rate-limit",
+		Usage: "zones | top <zone> [--limited] [--prefix <p>] [-n <n>] | unblock <zone> <key>",
+		Short: "Lists rate limit zones and offenders, and unblocks clients",
+		Long: `
+Talks to the admin API of a running Caddy (the rate_limit module's endpoints
+under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
+
+  caddy rate-limit zones                  every zone: settings, keys, refusals
+  caddy rate-limit top <zone>             the zone's busiest keys
+        [--limited] [--prefix <p>] [-n <n>]
+  caddy rate-limit unblock <zone> <key>   forget the key now
+
+The admin endpoint is found as 'caddy reload' finds it: --address if given,
+else the admin address of the --config file, else ` + "localhost:2019" + `.`,
+		CobraFunc: func(cmd *cobra.Command) {
+			cmd.PersistentFlags().String("address", "", "Address of the administration API listener, if different from config")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from")
+			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply (with --config)")
+			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON instead of a table")
+
+			top := &cobra.Command{
+				Use:   "top <zone>",
+				Short: "Lists the zone's busiest keys",
+				Args:  cobra.ExactArgs(1),
+				RunE:  cmdTop,
+			}
+			top.Flags().Bool("limited", false, "Only keys over their limit now")
+			top.Flags().String("prefix", "", "Only keys starting with this prefix")
+			top.Flags().IntP("n", "n", 20, fmt.Sprintf("How many keys to list, 1 to %d", MaxListLimit))
+			cmd.AddCommand(
+				&cobra.Command{Use: "zones", Short: "Lists every zone", Args: cobra.NoArgs, RunE: cmdZones},
+				top,
+				&cobra.Command{Use: "unblock <zone> <key>", Short: "Forgets a key so its next request starts afresh", Args: cobra.ExactArgs(2), RunE: cmdUnblock},
+			)
+		},
+	})
+}
+
+// adminCall sends a request to the admin endpoint the flags name and
+// returns the reply's body; an error reply is an error.
+func adminCall(cmd *cobra.Command, method, uri string) ([]byte, error) {
+	flags := cmd.Flags()
+	address, _ := flags.GetString("address")
+	config, _ := flags.GetString("config")
+	adapter, _ := flags.GetString("adapter")
+	addr, err := caddycmd.DetermineAdminAPIAddress(address, nil, config, adapter)
+	if err != nil {
+		return nil, fmt.Errorf("finding the admin endpoint: %v", err)
+	}
+	resp, err := caddycmd.AdminAPIRequest(addr, method, uri, http.Header{"Accept": {"application/json"}}, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	return io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+}
+
+// printJSON prints body as it came when --json is set, and reports whether
+// it did.
+func printJSON(cmd *cobra.Command, body []byte) bool {
+	if asJSON, _ := cmd.Flags().GetBool("json"); !asJSON {
+		return false
+	}
+	cmd.OutOrStdout().Write(body)
+	return true
+}
+
+func cmdZones(cmd *cobra.Command, _ []string) error {
+	body, err := adminCall(cmd, http.MethodGet, adminPrefix)
+	if err != nil || printJSON(cmd, body) {
+		return err
+	}
+	var zones []ZoneInfo
+	if err := json.Unmarshal(body, &zones); err != nil {
+		return fmt.Errorf("decoding the zone list: %v", err)
+	}
+	tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ZONE\tSTATUS\tSTORE\tHEALTH\tWINDOW\tMAX\tKEYS\tREFUSED\tWEBSOCKETS")
+	for _, z := range zones {
+		health := z.Health
+		if health == "" {
+			health = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\n", z.Name, z.Status, z.Store, health,
+			time.Duration(z.WindowSeconds)*time.Second, z.Max, z.TrackedKeys, z.RejectedTotal, z.WebSocketConnections)
+	}
+	return tw.Flush()
+}
+
+func cmdTop(cmd *cobra.Command, args []string) error {
+	n, _ := cmd.Flags().GetInt("n")
+	if n < 1 || n > MaxListLimit {
+		return fmt.Errorf("invalid -n %d: must be from 1 to %d", n, MaxListLimit)
+	}
+	q := url.Values{"limit": {strconv.Itoa(n)}}
+	if limited, _ := cmd.Flags().GetBool("limited"); limited {
+		q.Set("limited", "true")
+	}
+	if prefix, _ := cmd.Flags().GetString("prefix"); prefix != "" {
+		q.Set("q", prefix)
+	}
+	body, err := adminCall(cmd, http.MethodGet, adminPrefix+url.PathEscape(args[0])+"?"+q.Encode())
+	if err != nil || printJSON(cmd, body) {
+		return err
+	}
+	var list KeyList
+	if err := json.Unmarshal(body, &list); err != nil {
+		return fmt.Errorf("decoding the key list: %v", err)
+	}
+	out := cmd.OutOrStdout()
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "KEY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
+	now := time.Now().Unix()
+	for _, k := range list.Keys {
+		limited := "no"
+		if k.Limited {
+			limited = "yes"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Count, k.Refused, k.Remaining,
+			time.Duration(max(k.Reset-now, 0))*time.Second, limited)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(out, "%d of %d keys in zone %s\n", len(list.Keys), list.Total, list.Zone)
+	return err
+}
+
+func cmdUnblock(cmd *cobra.Command, args []string) error {
+	zone, key := args[0], args[1]
+	body, err := adminCall(cmd, http.MethodDelete, adminPrefix+url.PathEscape(zone)+"?key="+url.QueryEscape(key))
+	if err != nil || printJSON(cmd, body) {
+		return err
+	}
+	_, err = fmt.Fprintf(cmd.OutOrStdout(), "unblocked %s in zone %s\n", terminalText(key), zone)
+	return err
+}
+
+// terminalText returns a key as it may be printed to a terminal: as it is
+// when printable, quoted with Go escapes otherwise, so that no key can move
+// the cursor or recolour the screen.
+func terminalText(s string) string {
+	if printable(s) {
+		return s
+	}
+	return strconv.Quote(s)
+}

@@ -1,0 +1,188 @@
+// The rate limit dashboard. It reads the JSON admin API through relative URLs
+// only (the page is <admin>/rate_limit/ui, so "./" is <admin>/rate_limit/),
+// so it works wherever the admin endpoint is mounted, and it renders every
+// value as text: keys are chosen by clients.
+'use strict';
+(function () {
+	const pollMs = 3000;
+	const points = 60; // three minutes of history at one point per poll
+	const api = './';
+	const byId = (id) => document.getElementById(id);
+	const history = new Map(); // zone name -> [{t, total}]
+	const countdowns = []; // {cell, reset}
+	let selected = new URLSearchParams(location.hash.slice(1)).get('zone') || '';
+	let prefix = '';
+	let limitedOnly = false;
+	let busy = false;
+
+	// el builds an element; children that are not nodes become text nodes.
+	function el(tag, cls, ...children) {
+		const e = document.createElement(tag);
+		if (cls) e.className = cls;
+		for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+		return e;
+	}
+
+	async function call(url, init) {
+		const resp = await fetch(url, Object.assign({cache: 'no-store', headers: {Accept: 'application/json'}}, init));
+		let body = null;
+		try { body = await resp.json(); } catch (e) { /* not JSON */ }
+		if (!resp.ok) {
+			const msg = body && typeof body.error === 'string' ? body.error : resp.statusText;
+			throw new Error('The admin API answered ' + resp.status + ': ' + msg);
+		}
+		return body;
+	}
+
+	function showError(msg) {
+		const box = byId('error');
+		box.textContent = msg;
+		box.hidden = !msg;
+	}
+
+	// record keeps the zone's refused total and returns the refusals per
+	// second over the last poll.
+	function record(zone, now, total) {
+		const h = history.get(zone) || [];
+		h.push({t: now, total: total});
+		while (h.length > points + 1) h.shift();
+		history.set(zone, h);
+		if (h.length < 2) return 0;
+		const a = h[h.length - 2], b = h[h.length - 1];
+		return Math.max(0, (b.total - a.total) / Math.max((b.t - a.t) / 1000, 0.001));
+	}
+
+	function sparkline(zone) {
+		const ns = 'http://www.w3.org/2000/svg';
+		const svg = document.createElementNS(ns, 'svg');
+		svg.setAttribute('class', 'spark');
+		svg.setAttribute('viewBox', '0 0 160 28');
+		const h = history.get(zone) || [];
+		const rates = [];
+		for (let i = 1; i < h.length; i++) rates.push(Math.max(0, (h[i].total - h[i - 1].total) / Math.max((h[i].t - h[i - 1].t) / 1000, 0.001)));
+		const top = Math.max(1, ...rates);
+		const base = document.createElementNS(ns, 'line');
+		base.setAttribute('x1', '0'); base.setAttribute('x2', '160');
+		base.setAttribute('y1', '27'); base.setAttribute('y2', '27');
+		svg.append(base);
+		if (rates.length > 1) {
+			const step = 160 / (points - 1);
+			const off = 160 - step * (rates.length - 1);
+			const line = document.createElementNS(ns, 'polyline');
+			line.setAttribute('points', rates.map((r, i) => (off + i * step).toFixed(1) + ',' + (27 - 25 * r / top).toFixed(1)).join(' '));
+			svg.append(line);
+		}
+		const title = document.createElementNS(ns, 'title');
+		title.textContent = 'peak ' + top.toFixed(1) + ' refused/s';
+		svg.append(title);
+		return svg;
+	}
+
+	function seconds(s) {
+		if (s >= 86400) return (s / 86400).toFixed(1) + 'd';
+		if (s >= 3600) return (s / 3600).toFixed(1) + 'h';
+		if (s >= 60) return Math.floor(s / 60) + 'm ' + (s % 60) + 's';
+		return s + 's';
+	}
+
+	function renderZones(zones, now) {
+		const body = byId('zones').tBodies[0];
+		body.replaceChildren();
+		byId('no-zones').hidden = zones.length > 0;
+		for (const z of zones) {
+			const perSec = record(z.name, now, z.rejected_total);
+			const pick = el('button', 'zone', z.name);
+			pick.type = 'button';
+			pick.addEventListener('click', () => { selected = z.name; location.hash = 'zone=' + encodeURIComponent(z.name); refresh(); });
+			const row = el('tr', z.name === selected ? 'selected' : '',
+				el('td', '', pick, z.enabled ? '' : ' (disabled)'),
+				el('td', '', z.store + (z.hashed_keys ? ', hashed keys' : '')),
+				el('td', '', z.health || '—'),
+				el('td', 'num', seconds(z.window_seconds)),
+				el('td', 'num', z.max),
+				el('td', 'num', z.tracked_keys),
+				el('td', 'num', perSec.toFixed(1)),
+				el('td', '', sparkline(z.name)),
+				el('td', 'num', z.rejected_total),
+				el('td', 'num', z.websocket_connections));
+			row.dataset.zone = z.name;
+			body.append(row);
+		}
+	}
+
+	function renderKeys(list) {
+		byId('offenders').hidden = false;
+		byId('zone-name').textContent = list.zone;
+		const body = byId('keys').tBodies[0];
+		body.replaceChildren();
+		countdowns.length = 0;
+		for (const k of list.keys) {
+			const reset = el('td', 'num');
+			countdowns.push({cell: reset, reset: k.reset});
+			const unblock = el('button', 'unblock', 'Unblock');
+			unblock.type = 'button';
+			unblock.addEventListener('click', () => forget(list.zone, k.key, unblock));
+			const row = el('tr', k.limited ? 'limited' : '',
+				el('td', 'key', k.key),
+				el('td', 'num', k.count),
+				el('td', 'num', k.refused),
+				el('td', 'num', k.remaining),
+				reset,
+				el('td', '', k.limited ? 'yes' : 'no'),
+				el('td', '', unblock));
+			row.dataset.key = k.key;
+			body.append(row);
+		}
+		tick();
+		byId('keys-summary').textContent = list.keys.length === list.total
+			? list.total + (list.total === 1 ? ' key' : ' keys')
+			: 'the busiest ' + list.keys.length + ' of ' + list.total + ' keys';
+	}
+
+	function tick() {
+		const now = Date.now() / 1000;
+		for (const c of countdowns) c.cell.textContent = seconds(Math.max(0, Math.ceil(c.reset - now)));
+	}
+
+	async function forget(zone, key, button) {
+		button.disabled = true;
+		try {
+			await call(api + encodeURIComponent(zone) + '?' + new URLSearchParams({key: key}), {method: 'DELETE'});
+			await refresh();
+		} catch (e) {
+			showError(e.message);
+			button.disabled = false;
+		}
+	}
+
+	async function refresh() {
+		if (busy) return;
+		busy = true;
+		try {
+			const zones = await call(api);
+			if (!zones.some((z) => z.name === selected)) selected = zones.length ? zones[0].name : '';
+			renderZones(zones, Date.now());
+			if (selected) {
+				const q = new URLSearchParams({limit: '50'});
+				if (prefix) q.set('q', prefix);
+				if (limitedOnly) q.set('limited', 'true');
+				renderKeys(await call(api + encodeURIComponent(selected) + '?' + q));
+			} else {
+				byId('offenders').hidden = true;
+			}
+			showError('');
+			byId('updated').textContent = 'updated ' + new Date().toLocaleTimeString();
+		} catch (e) {
+			showError(e.message);
+		} finally {
+			busy = false;
+		}
+	}
+
+	byId('filter').addEventListener('submit', (e) => e.preventDefault());
+	byId('prefix').addEventListener('input', (e) => { prefix = e.target.value; refresh(); });
+	byId('limited').addEventListener('change', (e) => { limitedOnly = e.target.checked; refresh(); });
+	setInterval(refresh, pollMs);
+	setInterval(tick, 1000);
+	refresh();
+})();
