@@ -121,7 +121,7 @@ func TestDashboard(t *testing.T) {
 			header_up -Sec-Fetch-Mode
 		}
 		@api not path /rate_limit/ui
-		respond @api ` + "`" + `{"error":"the admin endpoint is down for a test"}` + "`" + ` 503
+		respond @api `+"`"+`{"error":"the admin endpoint is down for a test"}`+"`"+` 503
 	}
 }
 `, sock, port, freePort())
