@@ -231,6 +231,9 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// secretOptions are the options whose values an error never prints.
+var secretOptions = map[string]bool{"password": true, "hash_keys": true, "url": true}
+
 // options records the options a block has given, so that one given twice
 // is an error rather than "the last one wins".
 type options map[string]string
@@ -268,6 +271,9 @@ func oneArg(d *caddyfile.Dispenser, opt string) (string, error) {
 	}
 	val := d.Val()
 	if d.NextArg() {
+		if secretOptions[opt] {
+			return "", d.Errf("%s takes one argument, got more (not printed: it may be a secret)", opt)
+		}
 		return "", d.Errf("%s takes one argument, got extra %q", opt, d.Val())
 	}
 	if val == "" {

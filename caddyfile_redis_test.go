@@ -74,6 +74,7 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 		{name: "port 65536", input: "rate_limit {\n store redis {\n address localhost:65536\n }\n}", wantErr: `invalid redis address "localhost:65536": port must be`},
 		{name: "port by name", input: "rate_limit {\n store redis {\n address localhost:redis\n }\n}", wantErr: `invalid redis address "localhost:redis": port must be`},
 		{name: "no host", input: "rate_limit {\n store redis {\n address :6379\n }\n}", wantErr: `invalid redis address ":6379": the host is missing`},
+		{name: "address twice", input: "rate_limit {\n store redis {\n address a:1\n address a:1\n }\n}", wantErr: `redis address "a:1" given twice`},
 		{name: "timeout under 1ms", input: "rate_limit {\n store redis {\n address a:1\n timeout 999us\n }\n}", wantErr: `invalid timeout 999µs: must be at least 1ms`},
 		{name: "option twice", input: "rate_limit {\n store redis {\n address a:1\n timeout 1s\n timeout 2s\n }\n}", wantErr: `option timeout given twice`},
 		{name: "store twice", input: "rate_limit {\n store memory\n store redis {\n address a:1\n }\n}", wantErr: `option store given twice`},

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"net/netip"
+	"strings"
 	"unicode"
 	"unicode/utf8"
 )
@@ -11,6 +12,10 @@ import (
 // customKeyPrefix starts every key that comes from the key placeholder, so
 // that no client can send a value that lands in another client's IP counter.
 const customKeyPrefix = "key:"
+
+// hashedKeyPrefix starts the hash that stands for a custom key that is not
+// kept as it is.
+const hashedKeyPrefix = "sha256:"
 
 // maxCustomKeyLen is the longest custom key kept as it is; a longer one is
 // kept as its hash, so that keys a client chooses cannot grow the store past
@@ -25,9 +30,11 @@ const maxCustomKeyLen = 128
 // form the listing shows exactly and an unblock can name. Distinct keys keep
 // distinct counters either way.
 func customKey(k string) string {
-	if len(k) > maxCustomKeyLen || !printable(k) {
+	// A key that reads as a hash is hashed too, so that no client can name
+	// the counter of a client whose key was hashed.
+	if len(k) > maxCustomKeyLen || !printable(k) || strings.HasPrefix(k, hashedKeyPrefix) {
 		sum := sha256.Sum256([]byte(k))
-		return customKeyPrefix + "sha256:" + hex.EncodeToString(sum[:16])
+		return customKeyPrefix + hashedKeyPrefix + hex.EncodeToString(sum[:16])
 	}
 	return customKeyPrefix + k
 }

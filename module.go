@@ -3,11 +3,12 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -159,6 +160,11 @@ type RateLimit struct {
 	// the event's origin), so it is kept here, as reverse_proxy does.
 	events *caddyevents.App
 	ctx    caddy.Context
+
+	// cutRedis, when set, runs once, at the handler's first request, the
+	// cut of the Redis windows that a shorter window ends at cutoff.
+	cutRedis *sync.Once
+	cutoff   time.Time
 }
 
 // CaddyModule returns the Caddy module information.
@@ -270,6 +276,9 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if !rl.isEnabled() {
 		return next.ServeHTTP(w, r)
 	}
+	if rl.cutRedis != nil {
+		rl.cutRedis.Do(rl.startRedisCut)
+	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	key := rl.key(r, repl)
 	if key == "" {
@@ -325,6 +334,18 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		return nil
 	}
 	return caddyhttp.Error(http.StatusTooManyRequests, rl.errLimited)
+}
+
+// startRedisCut cuts, in the background, the Redis windows that a shorter
+// window ends at rl.cutoff.
+func (rl *RateLimit) startRedisCut() {
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := rl.zone.redis.CutWindows(ctx, rl.cutoff); err != nil {
+			rl.logger.Warn("cutting running windows to the shorter window", zap.String("zone", rl.Zone), zap.Error(err))
+		}
+	}()
 }
 
 // key returns the key the request is counted under, or "" if it has none.
@@ -383,9 +404,9 @@ func (rl *RateLimit) check() error {
 	} else if rl.Zone == dashboardZone {
 		errs = append(errs, fmt.Errorf("invalid zone %q: the name is the admin dashboard's (/rate_limit/%s)", rl.Zone, dashboardZone))
 	}
-	if err := checkPlaceholders(rl.Key); err != nil {
+	if n, err := countPlaceholders(rl.Key); err != nil {
 		errs = append(errs, fmt.Errorf("invalid key %q: %v", rl.Key, err))
-	} else if rl.Key != "" && !strings.Contains(rl.Key, "{") {
+	} else if rl.Key != "" && n == 0 {
 		errs = append(errs, fmt.Errorf("invalid key %q: must hold a placeholder such as {http.request.header.X-API-Key}, or every client would share one counter", rl.Key))
 	}
 	if rl.MaxTracked != 0 && rl.MaxTracked < MinMaxTracked {
@@ -444,32 +465,39 @@ func validZoneName(name string) bool {
 	return true
 }
 
-// checkPlaceholders reports a malformed placeholder in s: a { with no }
-// before the next { or the end, or an empty {}. Caddy's replacer leaves such
-// text as it is, so a key with a typo would never name the client. A
-// backslash escapes the next character, as it does for the replacer.
-func checkPlaceholders(s string) error {
-	open := -1
+// countPlaceholders counts the placeholders in s and reports a malformed
+// one: a { with no } before the next { or the end, a } with no {, or an
+// empty {}. Caddy's replacer leaves such text as it is, so a key with a typo
+// would never name the client. A backslash escapes a brace, as it does for
+// the replacer: an escaped brace opens or closes nothing.
+func countPlaceholders(s string) (int, error) {
+	n, open := 0, -1
 	for i := 0; i < len(s); i++ {
 		switch s[i] {
 		case '\\':
-			i++
+			if i+1 < len(s) && (s[i+1] == '{' || s[i+1] == '}') {
+				i++
+			}
 		case '{':
 			if open >= 0 {
-				return fmt.Errorf("placeholder at offset %d is not closed with }", open)
+				return n, fmt.Errorf("placeholder at offset %d is not closed with }", open)
 			}
 			open = i
 		case '}':
-			if open == i-1 {
-				return fmt.Errorf("empty placeholder {} at offset %d", open)
+			switch open {
+			case -1:
+				return n, fmt.Errorf("} at offset %d closes no placeholder (escape it as \\})", i)
+			case i - 1:
+				return n, fmt.Errorf("empty placeholder {} at offset %d", open)
 			}
 			open = -1
+			n++
 		}
 	}
 	if open >= 0 {
-		return fmt.Errorf("placeholder at offset %d is not closed with }", open)
+		return n, fmt.Errorf("placeholder at offset %d is not closed with }", open)
 	}
-	return nil
+	return n, nil
 }
 
 // ceilSeconds converts nanoseconds to whole seconds, rounding up.

@@ -139,7 +139,12 @@ func TestCustomKeyNotPrintable(t *testing.T) {
 		}
 		seen[k] = raw
 	}
-	for _, raw := range []string{"alice", "a b", "203.0.113.5", "ключ", "鍵", "/../../config/"} {
+	// A value that reads as a hash is hashed, so no client can name a
+	// hashed client's counter.
+	if hashed := customKey("\xff"); customKey(strings.TrimPrefix(hashed, "key:")) == hashed {
+		t.Errorf("the value %q names the counter of the key \"\\xff\"", strings.TrimPrefix(hashed, "key:"))
+	}
+	for _, raw := range []string{"alice", "a b", "203.0.113.5", "ключ", "鍵", "/../../config/", "sha256"} {
 		if k := customKey(raw); k != "key:"+raw {
 			t.Errorf("customKey(%q) = %q, want it kept", raw, k)
 		}

@@ -16,10 +16,11 @@ type Limit struct {
 	// at least 1.
 	Max int
 	// Since is when Window took its value (a config reload that changed
-	// it). A window begun earlier under a longer Window ends at
-	// Since+Window at the latest, so a shorter window applies to running
-	// windows at once. Zero: such a window ends a Window after the key's
-	// next request at the latest.
+	// it). A store cuts a window that ends more than a Window after a
+	// request to Since+Window; the zone cuts every other running window
+	// when the window shrinks (MemoryStore.CutWindows,
+	// RedisStore.CutWindows). Zero: such a window ends a Window after the
+	// key's next request at the latest.
 	Since time.Time
 }
 
@@ -40,6 +41,16 @@ func (l Limit) cutoff(t int64) int64 {
 		return t + int64(l.Window)
 	}
 	return l.Since.UnixNano() + int64(l.Window)
+}
+
+// cutoffIn is cutoff as a time left from now, at most Window; it uses the
+// monotonic clock where now and Since have it, so a wall clock stepped back
+// never lengthens a window.
+func (l Limit) cutoffIn(now time.Time) time.Duration {
+	if l.Since.IsZero() {
+		return l.Window
+	}
+	return min(l.Since.Add(l.Window).Sub(now), l.Window)
 }
 
 // Verdict is a store's answer to one Hit: whether the request is admitted and

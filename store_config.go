@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -143,7 +144,10 @@ func (sc *StoreConfig) check() error {
 		// The url is not printed: it may hold a password.
 		errs = append(errs, fmt.Errorf("redis store takes an address or a url, not both: got a url and address %q", sc.Addresses[0]))
 	}
-	for _, a := range sc.Addresses {
+	for i, a := range sc.Addresses {
+		if slices.Contains(sc.Addresses[:i], a) {
+			errs = append(errs, fmt.Errorf("redis address %q given twice: several addresses make a Cluster client", a))
+		}
 		if strings.Contains(a, "{") {
 			continue // a placeholder: checked once replaced, in provision
 		}

@@ -265,6 +265,23 @@ func (s *MemoryStore) Forget(_ context.Context, key string) (bool, error) {
 	return ok, nil
 }
 
+// CutWindows ends every window that would end after cutoff at cutoff: a
+// reload shortened the window.
+func (s *MemoryStore) CutWindows(cutoff time.Time) {
+	c := cutoff.UnixNano()
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.entries {
+			if e.reset > c {
+				e.reset = c
+				sh.entries[k] = e
+			}
+		}
+		sh.mu.Unlock()
+	}
+}
+
 // Sweep purges every window expired at now, one shard at a time, and returns
 // how many keys it dropped.
 func (s *MemoryStore) Sweep(now time.Time) int {

@@ -222,7 +222,7 @@ func (s *RedisStore) hitRedis(ctx context.Context, key string, now time.Time, li
 	defer cancel()
 	base := s.base(s.tag(key))
 	keys := []string{base + "c", base + "r"}
-	cutoff := (limit.cutoff(now.UnixNano()) - now.UnixNano()) / int64(time.Millisecond)
+	cutoff := limit.cutoffIn(now).Milliseconds()
 	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds(), cutoff).Int64Slice()
 	if err != nil {
 		return Verdict{}, err
@@ -475,13 +475,9 @@ func (s *RedisStore) Range(ctx context.Context, now time.Time, fn func(KeyState)
 		stopped = !fn(ks)
 		return !stopped
 	}
-	if cc, ok := s.client.(*redis.ClusterClient); ok {
-		err = cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
-			return s.scan(ctx, c, now, call)
-		})
-	} else {
-		err = s.scan(ctx, s.client, now, call)
-	}
+	err = s.forEachNode(ctx, func(ctx context.Context, c scanner) error {
+		return s.scan(ctx, c, now, call)
+	})
 	if errors.Is(err, errStopRange) {
 		return nil
 	}
@@ -502,6 +498,50 @@ const scanPage = 500
 
 // scan calls fn for each live count key of the zone on one Redis node.
 func (s *RedisStore) scan(ctx context.Context, c scanner, now time.Time, fn func(KeyState) bool) error {
+	return s.scanPages(ctx, c, func(ctx context.Context, keys []string) error {
+		return s.readPage(ctx, c, keys, now, fn)
+	})
+}
+
+// forEachNode calls fn with the client, or with each master of a Cluster
+// (concurrently).
+func (s *RedisStore) forEachNode(ctx context.Context, fn func(ctx context.Context, c scanner) error) error {
+	if cc, ok := s.client.(*redis.ClusterClient); ok {
+		return cc.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return fn(ctx, c) })
+	}
+	return fn(ctx, s.client)
+}
+
+// CutWindows ends every window of the zone that would end after cutoff at
+// cutoff, in Redis and in the local caches: a reload shortened the window.
+// It scans the zone's keys a page at a time and sets each page's expiries
+// in one pipeline with PEXPIRE … LT (Redis 7), which never lengthens one.
+func (s *RedisStore) CutWindows(ctx context.Context, cutoff time.Time) error {
+	s.refused.forgetAfter(cutoff.UnixNano())
+	s.local.CutWindows(cutoff)
+	return s.forEachNode(ctx, func(ctx context.Context, c scanner) error {
+		return s.scanPages(ctx, c, func(ctx context.Context, keys []string) error {
+			ms := time.Until(cutoff).Milliseconds()
+			pipe := c.Pipeline()
+			for _, k := range keys {
+				if ms <= 0 {
+					pipe.Del(ctx, k, strings.TrimSuffix(k, "c")+"r")
+					continue
+				}
+				pipe.Do(ctx, "PEXPIRE", k, ms, "LT")
+				pipe.Do(ctx, "PEXPIRE", strings.TrimSuffix(k, "c")+"r", ms, "LT")
+			}
+			if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+				return fmt.Errorf("cutting redis windows: %w", err)
+			}
+			return nil
+		})
+	})
+}
+
+// scanPages calls page with each page of the zone's count keys on one Redis
+// node.
+func (s *RedisStore) scanPages(ctx context.Context, c scanner, page func(ctx context.Context, keys []string) error) error {
 	pattern := escapeGlob(s.prefix) + "{*}:c"
 	var cursor uint64
 	for {
@@ -510,7 +550,7 @@ func (s *RedisStore) scan(ctx context.Context, c scanner, now time.Time, fn func
 		sctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 		keys, next, err := c.Scan(sctx, cursor, pattern, scanPage).Result()
 		if err == nil && len(keys) > 0 {
-			err = s.readPage(sctx, c, keys, now, fn)
+			err = page(sctx, keys)
 		} else if err != nil {
 			err = fmt.Errorf("scanning redis keys %q: %w", pattern, err)
 		}
@@ -731,6 +771,21 @@ func (c *refusedCache) forget(key string) {
 	sh.mu.Lock()
 	delete(sh.m, key)
 	sh.mu.Unlock()
+}
+
+// forgetAfter drops every key cached as refused past cutoff (Unix
+// nanoseconds).
+func (c *refusedCache) forgetAfter(cutoff int64) {
+	for i := range c.shards {
+		sh := &c.shards[i]
+		sh.mu.Lock()
+		for k, e := range sh.m {
+			if e.reset > cutoff {
+				delete(sh.m, k)
+			}
+		}
+		sh.mu.Unlock()
+	}
 }
 
 // forgetFunc drops every key for which match returns true.

@@ -17,7 +17,7 @@ if ttl > window then
 	if cutoff <= 0 then
 		redis.call('DEL', KEYS[1], KEYS[2])
 		ttl = -2
-	else
+	elseif cutoff < ttl then
 		redis.call('PEXPIRE', KEYS[1], cutoff)
 		redis.call('PEXPIRE', KEYS[2], cutoff)
 		ttl = cutoff
@@ -25,7 +25,9 @@ if ttl > window then
 end
 -- ttl is -2 for a new window and -1 for a count key without an expiry (never
 -- written by this script): either way the window starts now, so no key
--- outlives its window.
+-- outlives its window, and a refused tally left from an earlier window goes.
+-- Past the cut above, the first write is one that Redis refuses when out of
+-- memory, so that an OOM Redis fails the decision instead of half-making it.
 local fresh = ttl < 0
 if fresh then
 	ttl = window
@@ -35,12 +37,17 @@ if count < max then
 	count = redis.call('INCR', KEYS[1])
 	if fresh then
 		redis.call('PEXPIRE', KEYS[1], window)
+		redis.call('DEL', KEYS[2])
 	end
 	return {1, count, ttl, 0}
 end
+local refused
 if fresh then
 	redis.call('PEXPIRE', KEYS[1], window)
+	redis.call('SET', KEYS[2], 1, 'PX', ttl)
+	refused = 1
+else
+	refused = redis.call('INCR', KEYS[2])
+	redis.call('PEXPIRE', KEYS[2], ttl)
 end
-local refused = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ttl)
 return {0, count, ttl, refused}

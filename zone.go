@@ -140,10 +140,27 @@ func (z *zone) hold(rl *RateLimit) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
 	if n := len(z.holders); n > 0 {
-		if running := z.holders[n-1].limit; running.Window == rl.limit.Window {
+		running := z.holders[n-1].limit
+		switch {
+		case running.Window == rl.limit.Window:
 			rl.limit.Since = running.Since
-		} else {
+		case rl.limit.Window > running.Window:
 			rl.limit.Since = time.Now()
+		default:
+			// A shorter window: every running window ends a new window
+			// from now at the latest. The memory store is cut at once;
+			// Redis, shared with other instances and with any "caddy
+			// validate" run, is cut when this handler serves its first
+			// request, so a config that never runs cuts nothing.
+			rl.limit.Since = time.Now()
+			cutoff := rl.limit.Since.Add(rl.limit.Window)
+			if z.mem != nil {
+				z.mem.CutWindows(cutoff)
+			}
+			if z.redis != nil {
+				rl.cutRedis = new(sync.Once)
+				rl.cutoff = cutoff
+			}
 		}
 	}
 	z.holders = append(z.holders, rl)

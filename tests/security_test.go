@@ -404,3 +404,61 @@ func TestTrustedProxiesStrict(t *testing.T) {
 		}
 	}
 }
+
+// A window that a reload shortens ends a new window after the reload even
+// when the key comes back in the last part of its old window (where the
+// old end is within a new window of the request): in memory at once, in
+// Redis once the first request after the reload has started the cut.
+func TestShortenedWindowNearItsEnd(t *testing.T) {
+	srv := redistest.Start(t)
+	site := `
+:$PORT {
+	handle /memory {
+		rate_limit {
+			zone e2e-near-memory
+			window %[1]s
+			max 1
+		}
+		respond "ok"
+	}
+	handle /redis {
+		rate_limit {
+			zone e2e-near-redis
+			window %[1]s
+			max 1
+			store redis {
+				address %[2]s
+			}
+		}
+		respond "ok"
+	}
+}`
+	s := startCaddy(t, trustLoopback, fmt.Sprintf(site, "10", srv.Addr))
+	paths := []string{"/memory", "/redis"}
+	began := time.Now()
+	for _, p := range paths {
+		s.get(p, "X-Forwarded-For", "203.0.113.60")
+		if resp, _ := s.get(p, "X-Forwarded-For", "203.0.113.60"); resp.StatusCode != http.StatusTooManyRequests {
+			t.Fatalf("%s second request: %d, want 429", p, resp.StatusCode)
+		}
+	}
+	time.Sleep(time.Until(began.Add(2 * time.Second)))
+	s.reload(trustLoopback, fmt.Sprintf(site, "5", srv.Addr))
+	reloaded := time.Now()
+	// Another client's request starts the Redis cut.
+	for _, p := range paths {
+		s.get(p, "X-Forwarded-For", "198.51.100.60")
+	}
+	// The old windows end at began+10s; cut, they end by reloaded+5s.
+	time.Sleep(time.Until(reloaded.Add(5200 * time.Millisecond)))
+	if time.Since(began) > 9*time.Second {
+		t.Skip("the machine was too slow to reach the new end before the old one")
+	}
+	for _, p := range paths {
+		resp, _ := s.get(p, "X-Forwarded-For", "203.0.113.60")
+		if resp.StatusCode != http.StatusOK {
+			t.Errorf("%s %s after the reload: %d, want 200 (the old window ends %s after it)",
+				p, time.Since(reloaded).Round(time.Millisecond), resp.StatusCode, began.Add(10*time.Second).Sub(reloaded).Round(time.Millisecond))
+		}
+	}
+}
