@@ -1,0 +1,130 @@
+package tests
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"os/exec"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// rateLimitCmd runs the built binary's "caddy rate-limit" with args against
+// the in-process Caddy's admin endpoint and returns its output and exit
+// error.
+func rateLimitCmd(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	bin, err := caddyBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	args = append([]string{"rate-limit"}, args...)
+	args = append(args, "--address", fmt.Sprintf("localhost:%d", adminPort))
+	out, err := exec.Command(bin, args...).CombinedOutput()
+	return string(out), err
+}
+
+// The rate-limit command against a real Caddy: zones and top print aligned
+// tables (or the API's JSON), top filters and pages, unblock forgets a key,
+// even a hostile one, and errors exit non-zero with the API's message.
+func TestCommandLine(t *testing.T) {
+	s := startCaddy(t, trustLoopback, `
+:$PORT {
+	rate_limit /keyed {
+		zone e2e-cli-keys
+		key {http.request.header.X-Key}
+		max 1
+	}
+	@rest not path /keyed
+	rate_limit @rest {
+		zone e2e-cli
+		window 60
+		max 3
+	}
+	respond "ok"
+}`)
+	sendTraffic(t, s, map[string]int{"203.0.113.1": 5, "203.0.113.2": 4, "198.51.100.9": 1})
+	s.get("/keyed", "X-Key", hostileKey)
+	if resp, _ := s.get("/keyed", "X-Key", hostileKey); resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("hostile key's second request: %d, want 429", resp.StatusCode)
+	}
+
+	out, err := rateLimitCmd(t, "zones")
+	if err != nil {
+		t.Fatalf("zones: %v\n%s", err, out)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	header := regexp.MustCompile(`^ZONE +STATUS +STORE +HEALTH +WINDOW +MAX +KEYS +REFUSED +WEBSOCKETS$`)
+	row := regexp.MustCompile(`(?m)^e2e-cli +active +memory +- +1m0s +3 +3 +3 +0$`)
+	if len(lines) < 3 || !header.MatchString(lines[0]) || !row.MatchString(out) {
+		t.Errorf("zones printed:\n%s", out)
+	}
+	// Columns line up: every row's second column starts where STATUS does.
+	col := strings.Index(lines[0], "STATUS")
+	for _, l := range lines[1:] {
+		if len(l) <= col || l[col-1] != ' ' || l[col] == ' ' {
+			t.Errorf("row %q is not aligned under STATUS at %d", l, col)
+		}
+	}
+
+	out, err = rateLimitCmd(t, "top", "e2e-cli")
+	if err != nil {
+		t.Fatalf("top: %v\n%s", err, out)
+	}
+	want := regexp.MustCompile(`(?s)^KEY +COUNT +REFUSED +REMAINING +RESETS IN +LIMITED\n` +
+		`203\.0\.113\.1 +3 +2 +0 +[0-9hms]+ +yes\n` +
+		`203\.0\.113\.2 +3 +1 +0 +[0-9hms]+ +yes\n` +
+		`198\.51\.100\.9 +1 +0 +2 +[0-9hms]+ +no\n` +
+		`3 of 3 keys in zone e2e-cli\n$`)
+	if !want.MatchString(out) {
+		t.Errorf("top printed:\n%s", out)
+	}
+	out, err = rateLimitCmd(t, "top", "e2e-cli", "--limited", "--prefix", "203.0.113.", "-n", "1")
+	if err != nil || !strings.Contains(out, "203.0.113.1 ") || strings.Contains(out, "203.0.113.2") || !strings.Contains(out, "1 of 2 keys") {
+		t.Errorf("top --limited --prefix -n 1: %v\n%s", err, out)
+	}
+	out, err = rateLimitCmd(t, "top", "e2e-cli", "--json")
+	var list keyList
+	if err != nil || json.Unmarshal([]byte(out), &list) != nil || list.Total != 3 {
+		t.Errorf("top --json: %v\n%s", err, out)
+	}
+
+	out, err = rateLimitCmd(t, "unblock", "e2e-cli-keys", "key:"+hostileKey)
+	if err != nil || out != "unblocked key:"+hostileKey+" in zone e2e-cli-keys\n" {
+		t.Errorf("unblock: %v\n%s", err, out)
+	}
+	wantSitesAliveAt(t, s, "/keyed", "X-Key", hostileKey)
+	out, err = rateLimitCmd(t, "unblock", "e2e-cli", "203.0.113.1")
+	if err != nil {
+		t.Errorf("unblock 203.0.113.1: %v\n%s", err, out)
+	}
+	if resp, _ := s.get("/", "X-Forwarded-For", "203.0.113.1"); resp.StatusCode != http.StatusOK {
+		t.Errorf("203.0.113.1 after unblock: %d, want 200", resp.StatusCode)
+	}
+
+	for _, args := range [][]string{
+		{"unblock", "e2e-cli", "192.0.2.200"},
+		{"top", "no-such-zone"},
+		{"top", "e2e-cli", "-n", "0"},
+	} {
+		out, err := rateLimitCmd(t, args...)
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || !regexp.MustCompile(`not tracked|unknown rate limit zone|invalid -n 0`).MatchString(out) {
+			t.Errorf("%v: %v, want a failing exit with the reason\n%s", args, err, out)
+		}
+	}
+}
+
+// wantSitesAliveAt fails the test unless the running config is intact and a
+// request to path with the given headers is admitted.
+func wantSitesAliveAt(t *testing.T, s *server, path string, headers ...string) {
+	t.Helper()
+	if status, cfg := admin(t, http.MethodGet, "/config/"); status != http.StatusOK || !strings.Contains(cfg, "e2e-cli") {
+		t.Fatalf("GET /config/: %d, want the running config", status)
+	}
+	if resp, _ := s.get(path, headers...); resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s after unblock: %d, want 200", path, resp.StatusCode)
+	}
+}
