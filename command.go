@@ -129,14 +129,13 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	out := cmd.OutOrStdout()
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
-	now := time.Now().Unix()
 	for _, k := range list.Keys {
 		limited := "no"
 		if k.Limited {
 			limited = "yes"
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Count, k.Refused, k.Remaining,
-			time.Duration(max(k.Reset-now, 0))*time.Second, limited)
+			max(time.Until(time.Unix(k.Reset, 0)).Truncate(time.Second), 0), limited)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

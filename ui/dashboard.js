@@ -141,7 +141,7 @@
 
 	function tick() {
 		const now = Date.now() / 1000;
-		for (const c of countdowns) c.cell.textContent = seconds(Math.max(0, Math.ceil(c.reset - now)));
+		for (const c of countdowns) c.cell.textContent = seconds(Math.max(0, Math.floor(c.reset - now)));
 	}
 
 	async function forget(zone, key, button) {
