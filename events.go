@@ -11,8 +11,9 @@ import (
 
 // EventExceeded is the event emitted through Caddy's events app when a key
 // first goes over its limit in a window (once per key per window, not once
-// per refused request). Its data: zone, key, max, window (seconds) and reset
-// (Unix seconds).
+// per refused request), in each limit that refuses it. Its data: zone, limit
+// (the limit's name), key, max, window (seconds), reset (Unix seconds) and
+// dry_run (true when the handler let the request through).
 const EventExceeded = "rate_limit_exceeded"
 
 // eventsApp returns the events app if the config has one, or nil, so that a
@@ -28,16 +29,19 @@ func eventsApp(ctx caddy.Context) (*caddyevents.App, error) {
 	return app.(*caddyevents.App), nil
 }
 
-// emitExceeded emits EventExceeded for key if anything listens for it.
-func (rl *RateLimit) emitExceeded(key string, v Verdict) {
+// emitExceeded emits EventExceeded for key going over limit p, if anything
+// listens for it.
+func (rl *RateLimit) emitExceeded(p *policy, key string, v Verdict) {
 	if rl.events == nil || !rl.events.ShouldEmit(EventExceeded) {
 		return
 	}
 	rl.events.Emit(rl.ctx, EventExceeded, map[string]any{
-		"zone":   rl.Zone,
-		"key":    key,
-		"max":    v.Limit,
-		"window": int64(rl.limit.Window / time.Second),
-		"reset":  ceilSeconds(v.Reset.UnixNano()),
+		"zone":    rl.Zone,
+		"limit":   p.name,
+		"key":     key,
+		"max":     v.Limit,
+		"window":  int64(p.check.Limit.Window / time.Second),
+		"reset":   ceilSeconds(v.Reset.UnixNano()),
+		"dry_run": rl.DryRun,
 	})
 }

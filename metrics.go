@@ -3,16 +3,21 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Metric descriptors. Their only labels are the zone and the result, never a
-// key or an IP, so the number of series stays the number of zones.
+// Metric descriptors. Their only labels are the zone, the limit name and the
+// result, never a key or an IP, so the number of series stays bounded by the
+// config.
 var (
 	requestsDesc = prometheus.NewDesc("caddy_rate_limit_requests_total",
-		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, store_error).",
+		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, invalid, degraded_allowed, degraded_denied).",
 		[]string{"zone", "result"}, nil)
+	refusalsDesc = prometheus.NewDesc("caddy_rate_limit_refusals_total",
+		"Refusals by zone and limit: a request refused by several limits counts in each (dry-run refusals included).",
+		[]string{"zone", "limit"}, nil)
 	trackedKeysDesc = prometheus.NewDesc("caddy_rate_limit_tracked_keys",
 		"Keys the zone's store tracks now in this process (for a Redis zone, its local fallback store's).",
 		[]string{"zone"}, nil)
@@ -53,6 +58,7 @@ func registerMetrics(reg prometheus.Registerer) error {
 // Describe implements prometheus.Collector.
 func (collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- requestsDesc
+	ch <- refusalsDesc
 	ch <- trackedKeysDesc
 	ch <- evictionsDesc
 	ch <- websocketDesc
@@ -67,6 +73,11 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(requestsDesc, prometheus.CounterValue,
 				float64(z.results[result].Load()), z.name, name)
 		}
+		z.refusals.Range(func(k, v any) bool {
+			ch <- prometheus.MustNewConstMetric(refusalsDesc, prometheus.CounterValue,
+				float64(v.(*atomic.Uint64).Load()), z.name, k.(string))
+			return true
+		})
 		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
 		var evictions uint64
 		if z.mem != nil {

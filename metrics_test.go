@@ -31,13 +31,16 @@ func zoneSeries(t *testing.T, reg prometheus.Gatherer, zoneName string) map[stri
 				continue
 			}
 			for name := range labels {
-				if name != "zone" && name != "result" {
-					t.Errorf("%s has label %q: only zone and result are allowed", mf.GetName(), name)
+				if name != "zone" && name != "result" && name != "limit" {
+					t.Errorf("%s has label %q: only zone, limit and result are allowed", mf.GetName(), name)
 				}
 			}
 			name := mf.GetName()
 			if r, ok := labels["result"]; ok {
 				name += "{" + r + "}"
+			}
+			if l, ok := labels["limit"]; ok {
+				name += "{" + l + "}"
 			}
 			switch {
 			case m.GetCounter() != nil:
@@ -60,13 +63,16 @@ func TestMetricsCountDecisions(t *testing.T) {
 
 	got := zoneSeries(t, ctx.GetMetricsRegistry(), "metrics-count")
 	want := map[string]float64{
-		"caddy_rate_limit_requests_total{allowed}":     3,
-		"caddy_rate_limit_requests_total{limited}":     3,
-		"caddy_rate_limit_requests_total{dry_run}":     0,
-		"caddy_rate_limit_requests_total{store_error}": 0,
-		"caddy_rate_limit_tracked_keys":                2,
-		"caddy_rate_limit_evictions_total":             0,
-		"caddy_rate_limit_websocket_connections":       0,
+		"caddy_rate_limit_requests_total{allowed}":          3,
+		"caddy_rate_limit_requests_total{limited}":          3,
+		"caddy_rate_limit_requests_total{dry_run}":          0,
+		"caddy_rate_limit_requests_total{invalid}":          0,
+		"caddy_rate_limit_requests_total{degraded_allowed}": 0,
+		"caddy_rate_limit_requests_total{degraded_denied}":  0,
+		"caddy_rate_limit_refusals_total{metrics-count}":    3,
+		"caddy_rate_limit_tracked_keys":                     2,
+		"caddy_rate_limit_evictions_total":                  0,
+		"caddy_rate_limit_websocket_connections":            0,
 	}
 	for name, w := range want {
 		if g, ok := got[name]; !ok || g != w {
@@ -94,8 +100,8 @@ func TestMetricsRegisterOncePerRegistry(t *testing.T) {
 	rl, _ := provisionHandler(t, "metrics-once", 10, true)
 	serve(t, rl, "192.0.2.9")
 	got := zoneSeries(t, reg, "metrics-once")
-	if got["caddy_rate_limit_requests_total{allowed}"] != 1 || len(got) != 7 {
-		t.Errorf("series = %v, want 7 with allowed 1", got)
+	if got["caddy_rate_limit_requests_total{allowed}"] != 1 || len(got) != 9 {
+		t.Errorf("series = %v, want 9 with allowed 1", got)
 	}
 	problems, err := testutil.CollectAndLint(collector{})
 	if err != nil {

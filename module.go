@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -136,19 +138,49 @@ type RateLimit struct {
 	// StoreConfig. Default: {"type": "memory"}.
 	Store *StoreConfig `json:"store,omitempty"`
 
-	zone    *zone
-	limit   Limit
-	byIP    bool   // the key is the client IP (no custom placeholder)
-	keyText string // what Key resolves to when all its placeholders are empty
+	// Missing says what the first limit does when Key resolves empty (or
+	// the client IP is unknown): "ip" counts the request under the client
+	// IP, "reject" refuses it with 400 Bad Request, any other value counts
+	// it under that value (such as "anonymous"). Default: "ip".
+	Missing string `json:"missing,omitempty"`
+
+	// Limits are the handler's limits past its first, which Window, Max
+	// and Key define and which is named after the zone. A request is
+	// admitted only when every limit admits it; a refused request is
+	// counted in none of them (each refusing limit tallies the refusal).
+	// At most 7. Default: none.
+	Limits []LimitConfig `json:"limits,omitempty"`
+
+	// Algorithm is how every limit of the handler counts its window:
+	// "fixed" windows (up to 2 x max can pass across a window edge) or
+	// "sliding" (the sliding-window counter: the previous window's count,
+	// weighted by how much of it still overlaps, plus the current one; at
+	// most about max in any window). Sliding is for the memory store
+	// only. Default: "fixed".
+	Algorithm string `json:"algorithm,omitempty"`
+
+	// DryRun decides, sets the headers and placeholders, logs and counts
+	// (result "dry_run") what would be refused, but refuses nothing. For
+	// trying a limit on live traffic. Default: false.
+	DryRun bool `json:"dry_run,omitempty"`
+
+	// Exempt lists client IP ranges (CIDRs or addresses) that are neither
+	// counted nor limited and get no quota headers: health checkers, a
+	// customer's NAT egress. Default: none.
+	Exempt []string `json:"exempt,omitempty"`
+
+	// Status is the status of a refusal, from 400 to 599. Default: 429.
+	Status int `json:"status,omitempty"`
+
+	zone     *zone
+	limit    Limit    // the first limit's, as policies[0] holds it
+	policies []policy // the first limit, then Limits
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
-	limitStr                   string // Max, formatted once
-	policy                     string // RateLimit-Policy value, formatted once
-	// quotedZone and zoneAny are the zone name as the RateLimit header and
-	// the placeholder take it, made once.
-	quotedZone string
-	zoneAny    any
+	policyHeader               string // RateLimit-Policy value, formatted once
+	zoneAny                    any    // the zone name as the placeholder takes it
+	exemptRanges               []netip.Prefix
 	// errLimited is the error of every refusal, built once: a flood of
 	// refused requests formats nothing. The key is in the log line and the
 	// placeholders.
@@ -162,9 +194,16 @@ type RateLimit struct {
 	ctx    caddy.Context
 
 	// cutRedis, when set, runs once, at the handler's first request, the
-	// cut of the Redis windows that a shorter window ends at cutoff.
+	// cuts of the Redis windows that shorter windows end.
 	cutRedis *sync.Once
-	cutoff   time.Time
+	cuts     []windowCut
+}
+
+// windowCut is a limit whose window a reload shortened: its running windows
+// end at cutoff at the latest.
+type windowCut struct {
+	check  Check
+	cutoff time.Time
 }
 
 // CaddyModule returns the Caddy module information.
@@ -209,16 +248,34 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 
-	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max}
-	rl.byIP = rl.Key == "" || rl.Key == "{client_ip}" || rl.Key == "{http.vars.client_ip}"
-	rl.keyText = caddy.NewEmptyReplacer().ReplaceAll(rl.Key, "")
+	sliding := rl.Algorithm == AlgorithmSliding
+	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding}
+	rl.policies = []policy{newPolicy(rl.Zone, "", rl.limit, rl.Key, rl.Missing)}
+	for _, l := range rl.Limits {
+		key := l.Key
+		if key == "" {
+			key = rl.Key
+		}
+		lim := Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding}
+		rl.policies = append(rl.policies, newPolicy(l.Name, l.Name, lim, key, l.Missing))
+	}
+	items := make([]string, len(rl.policies))
+	for i := range rl.policies {
+		items[i] = rl.policies[i].item()
+	}
+	rl.policyHeader = strings.Join(items, ", ")
 	rl.legacyHeaders = rl.Headers == HeadersLegacy || rl.Headers == HeadersBoth
 	rl.ietfHeaders = rl.Headers == HeadersIETF || rl.Headers == HeadersBoth
-	rl.limitStr = strconv.Itoa(rl.Max)
-	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q: more than %d requests per %s", rl.Zone, rl.Max, rl.limit.Window)
-	rl.quotedZone = strconv.Quote(rl.Zone)
+	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q", rl.Zone)
 	rl.zoneAny = rl.Zone
-	rl.policy = fmt.Sprintf("%s;q=%d;w=%d", rl.quotedZone, rl.Max, int64(rl.limit.Window/time.Second))
+	rl.exemptRanges = nil
+	for _, e := range rl.Exempt {
+		p, _ := parsePrefix(e) // check refused a bad one
+		rl.exemptRanges = append(rl.exemptRanges, p)
+	}
+	if rl.Status == 0 {
+		rl.Status = http.StatusTooManyRequests
+	}
 
 	// The metrics registry is made anew for each config load and shared by
 	// all of its modules, whichever server they are in: it names the load.
@@ -270,24 +327,36 @@ func (rl *RateLimit) Cleanup() error {
 	return err
 }
 
-// ServeHTTP counts the request against its key and either passes it on, with
-// the quota headers set, or refuses it with 429.
+// ServeHTTP judges the request against every limit of the handler at once
+// and either passes it on, with the quota headers set, or refuses it.
 func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if !rl.isEnabled() {
+	if !rl.isEnabled() || (len(rl.exemptRanges) > 0 && rl.exempt(r)) {
 		return next.ServeHTTP(w, r)
 	}
 	if rl.cutRedis != nil {
 		rl.cutRedis.Do(rl.startRedisCut)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	key := rl.key(r, repl)
-	if key == "" {
-		return next.ServeHTTP(w, r)
+	ipKey := rl.ipKey(r)
+	n := len(rl.policies)
+	var checks [MaxChecks]Check
+	for i := range rl.policies {
+		p := &rl.policies[i]
+		key, err := p.resolve(repl, ipKey)
+		if err != nil {
+			rl.zone.count(resultInvalid)
+			return caddyhttp.Error(http.StatusBadRequest, err)
+		}
+		if key == "" {
+			return next.ServeHTTP(w, r) // no client IP to count it by
+		}
+		checks[i] = p.check
+		checks[i].Key = key
 	}
 
 	now := time.Now()
-	v, err := rl.zone.store.Hit(r.Context(), key, now, rl.limit)
-	if err != nil {
+	var out [MaxChecks]Verdict
+	if err := rl.zone.store.Decide(r.Context(), checks[:n], now, out[:n]); err != nil {
 		err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
 		if r.Context().Err() != nil {
 			// The client went away while the store decided: no fault of
@@ -295,68 +364,97 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 			// reverse proxy reports for a client that closed the request.
 			return caddyhttp.Error(statusClientClosedRequest, err)
 		}
-		rl.zone.count(resultStoreError)
+		rl.zone.count(resultDegradedDenied)
 		w.Header().Set("Retry-After", "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, err)
 	}
+	allowed := true
+	for i := range n {
+		allowed = allowed && out[i].Allowed
+	}
+	m := constraining(out[:n])
+	v := out[m]
+	key := checks[m].Key
 	reset := ceilSeconds(v.Reset.UnixNano())
-	rl.setHeaders(w.Header(), v, reset, now)
+	rl.setHeaders(w.Header(), &rl.policies[m], v, reset, now)
 
 	repl.Set("http.rate_limit.zone", rl.zoneAny)
+	repl.Set("http.rate_limit.policy", rl.policies[m].name)
 	repl.Set("http.rate_limit.key", key)
 	repl.Set("http.rate_limit.limit", v.Limit)
 	repl.Set("http.rate_limit.remaining", v.Remaining)
 	repl.Set("http.rate_limit.reset", reset)
-	repl.Set("http.rate_limit.exceeded", !v.Allowed)
-	ws := isWebSocket(r)
-	if v.Allowed && ws {
-		return rl.serveWebSocket(w, r, next, key, v)
+	repl.Set("http.rate_limit.exceeded", !allowed)
+	if !allowed {
+		rl.refused(checks[:n], out[:n])
 	}
-	rl.zone.countVerdict(v)
-	if v.Allowed {
+	ws := isWebSocket(r)
+	if allowed && ws {
+		return rl.serveWebSocket(w, r, next, checks[0].Key, v)
+	}
+	rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
+	if allowed || rl.DryRun {
 		return next.ServeHTTP(w, r)
 	}
-
-	if v.FirstRefusal {
-		if c := rl.logger.Check(zapcore.InfoLevel, "rate limit exceeded"); c != nil {
-			c.Write(
-				zap.String("zone", rl.Zone),
-				zap.String("key", key),
-				zap.Int("max", v.Limit),
-				zap.Duration("window", rl.limit.Window),
-				zap.Int64("reset", reset),
-			)
+	var wait time.Duration
+	for i := range n {
+		if !out[i].Allowed {
+			wait = max(wait, out[i].RetryAfter) // until every refusing limit admits
 		}
-		rl.emitExceeded(key, v)
 	}
-	w.Header().Set("Retry-After", strconv.FormatInt(max(ceilSeconds(int64(v.RetryAfter)), 1), 10))
+	w.Header().Set("Retry-After", strconv.FormatInt(max(ceilSeconds(int64(wait)), 1), 10))
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil
 	}
-	return caddyhttp.Error(http.StatusTooManyRequests, rl.errLimited)
+	return caddyhttp.Error(rl.Status, rl.errLimited)
 }
 
-// startRedisCut cuts, in the background, the Redis windows that a shorter
-// window ends at rl.cutoff.
+// refused tallies a refusal in each refusing limit and, for a key's first
+// refusal in a window, logs it and emits the event.
+func (rl *RateLimit) refused(checks []Check, out []Verdict) {
+	for i, v := range out {
+		if v.Allowed {
+			continue
+		}
+		p := &rl.policies[i]
+		rl.zone.countRefusal(p.name)
+		if !v.FirstRefusal {
+			continue
+		}
+		msg := "rate limit exceeded"
+		if rl.DryRun {
+			msg = "rate limit exceeded (dry run: admitted)"
+		}
+		if c := rl.logger.Check(zapcore.InfoLevel, msg); c != nil {
+			c.Write(
+				zap.String("zone", rl.Zone),
+				zap.String("limit", p.name),
+				zap.String("key", checks[i].Key),
+				zap.Int("max", v.Limit),
+				zap.Duration("window", p.check.Limit.Window),
+				zap.Int64("reset", ceilSeconds(v.Reset.UnixNano())),
+			)
+		}
+		rl.emitExceeded(p, checks[i].Key, v)
+	}
+}
+
+// startRedisCut cuts, in the background, the Redis windows that shorter
+// windows end.
 func (rl *RateLimit) startRedisCut() {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		if err := rl.zone.redis.CutWindows(ctx, rl.cutoff); err != nil {
-			rl.logger.Warn("cutting running windows to the shorter window", zap.String("zone", rl.Zone), zap.Error(err))
+		for _, c := range rl.cuts {
+			if err := rl.zone.redis.CutWindows(ctx, c.check, c.cutoff); err != nil {
+				rl.logger.Warn("cutting running windows to the shorter window", zap.String("zone", rl.Zone), zap.String("limit", rl.policies[0].name), zap.Error(err))
+			}
 		}
 	}()
 }
 
-// key returns the key the request is counted under, or "" if it has none.
-func (rl *RateLimit) key(r *http.Request, repl *caddy.Replacer) string {
-	if !rl.byIP {
-		// Unknown placeholders resolve empty; a key that resolves to its
-		// fixed text alone has no client in it and falls back to the IP.
-		if k := repl.ReplaceAll(rl.Key, ""); k != rl.keyText {
-			return customKey(k)
-		}
-	}
+// ipKey returns the client IP key of the request, or "" if it has none.
+func (rl *RateLimit) ipKey(r *http.Request) string {
 	ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
 	if ip == "" {
 		return ""
@@ -364,9 +462,10 @@ func (rl *RateLimit) key(r *http.Request, repl *caddy.Replacer) string {
 	return clientIPKey(ip, rl.IPv6Prefix)
 }
 
-// setHeaders sets the quota headers of the configured mode; reset is
-// v.Reset in Unix seconds, rounded up.
-func (rl *RateLimit) setHeaders(h http.Header, v Verdict, reset int64, now time.Time) {
+// setHeaders sets the quota headers of the configured mode for the limit
+// that binds the request (p, whose verdict is v); reset is v.Reset in Unix
+// seconds, rounded up. RateLimit-Policy lists every limit.
+func (rl *RateLimit) setHeaders(h http.Header, p *policy, v Verdict, reset int64, now time.Time) {
 	if !rl.legacyHeaders && !rl.ietfHeaders {
 		return
 	}
@@ -375,14 +474,14 @@ func (rl *RateLimit) setHeaders(h http.Header, v Verdict, reset int64, now time.
 		// Canonical keys set directly: h.Set would allocate to canonicalize
 		// them on every request. They go out as X-Ratelimit-*, as h.Set
 		// would send them; header names are case-insensitive.
-		h["X-Ratelimit-Limit"] = []string{rl.limitStr}
+		h["X-Ratelimit-Limit"] = []string{p.maxStr}
 		h["X-Ratelimit-Remaining"] = []string{remaining}
 		h["X-Ratelimit-Reset"] = []string{strconv.FormatInt(reset, 10)}
 	}
 	if rl.ietfHeaders {
 		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)
-		h["Ratelimit-Policy"] = []string{rl.policy}
-		h["Ratelimit"] = []string{rl.quotedZone + ";r=" + remaining + ";t=" + strconv.FormatInt(left, 10)}
+		h["Ratelimit-Policy"] = []string{rl.policyHeader}
+		h["Ratelimit"] = []string{p.quoted + ";r=" + remaining + ";t=" + strconv.FormatInt(left, 10)}
 	}
 }
 
@@ -434,6 +533,7 @@ func (rl *RateLimit) check() error {
 	if err := rl.Store.check(); err != nil {
 		errs = append(errs, err)
 	}
+	errs = append(errs, rl.checkLimits()...)
 	return errors.Join(errs...)
 }
 

@@ -10,7 +10,7 @@ import (
 // the store is built, so a config reload that changes window or max applies at
 // once to a store that keeps its counts.
 type Limit struct {
-	// Window is the length of one fixed window. It must be positive.
+	// Window is the length of one window. It must be positive.
 	Window time.Duration
 	// Max is the number of requests admitted per key per window. It must be
 	// at least 1.
@@ -22,6 +22,11 @@ type Limit struct {
 	// RedisStore.CutWindows). Zero: such a window ends a Window after the
 	// key's next request at the latest.
 	Since time.Time
+	// Sliding selects the sliding-window counter: the previous window's
+	// count, weighted by how much of it a window ending now would still
+	// overlap, plus the current window's count, must stay within Max. False
+	// is the fixed window.
+	Sliding bool
 }
 
 // end returns when a window that would end at reset (Unix nanoseconds) ends
@@ -51,6 +56,21 @@ func (l Limit) cutoffIn(now time.Time) time.Duration {
 		return l.Window
 	}
 	return min(l.Since.Add(l.Window).Sub(now), l.Window)
+}
+
+// MaxChecks is the most limits one decision may hold.
+const MaxChecks = 8
+
+// Check is one limit of a decision: the client key it counts and the quota
+// that key is held to. The limits of one zone keep apart counters for one
+// key: the memory store by Slot (0 to MaxChecks-1), the Redis store by Name
+// ("" for a zone's first limit, whose keys are those a zone of one limit
+// has always written).
+type Check struct {
+	Slot  int
+	Name  string
+	Key   string
+	Limit Limit
 }
 
 // Verdict is a store's answer to one Hit: whether the request is admitted and
@@ -89,6 +109,9 @@ type KeyState struct {
 	Refused int
 	// Reset is when the current window ends.
 	Reset time.Time
+	// Name is the limit the key is counted in: "" for a zone's first limit,
+	// else the name of its Check.
+	Name string
 }
 
 // Store keeps the per-key counters of one zone. Implementations are safe for
@@ -99,6 +122,14 @@ type Store interface {
 	// never extends a lockout) but is tallied in the key's refused count.
 	Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error)
 
+	// Decide judges one request against every check at once, atomically,
+	// and writes check i's verdict to out[i] (out is at least as long as
+	// checks, which hold at most MaxChecks). The request is admitted when
+	// every verdict is; then each check's count goes up by one. Otherwise no
+	// count goes up, and each refusing check tallies a refusal. Hit is
+	// Decide with one check in slot 0 of name "".
+	Decide(ctx context.Context, checks []Check, now time.Time, out []Verdict) error
+
 	// Len returns the number of keys tracked, expired windows included until
 	// they are purged.
 	Len() int
@@ -108,7 +139,37 @@ type Store interface {
 	// the whole store.
 	Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error
 
-	// Forget drops key at once, so its next request starts a fresh window.
-	// It reports whether the key was tracked.
+	// Forget drops key at once from every limit, so its next request
+	// starts fresh windows. It reports whether the key was tracked.
 	Forget(ctx context.Context, key string) (bool, error)
+
+	// ForgetCheck drops c.Key from c's limit only (c.Limit is not read).
+	ForgetCheck(ctx context.Context, c Check) (bool, error)
+}
+
+// sliding returns the requests the sliding-window counter holds against a
+// key at t: prev weighted by the part of the previous window that a window
+// ending at t would still overlap (the window in progress ends at reset),
+// plus count.
+func (l Limit) sliding(prev, count int64, reset, t int64) float64 {
+	left := float64(reset-t) / float64(l.Window)
+	return float64(prev)*min(max(left, 0), 1) + float64(count)
+}
+
+// slidingWait returns how long after t a key of the sliding-window counter
+// (prev, count, window ending at reset) waits until one more request fits.
+func (l Limit) slidingWait(prev, count int64, reset, t int64) time.Duration {
+	w := float64(l.Window)
+	m := float64(l.Max)
+	if count < int64(l.Max) {
+		if prev == 0 {
+			return 0
+		}
+		// prev*(reset-t')/w + count + 1 <= max
+		at := float64(reset) - (m-float64(count)-1)*w/float64(prev)
+		return time.Duration(max(at-float64(t), 0))
+	}
+	// In the next window prev is count and the new count 0.
+	at := float64(reset) + w - (m-1)*w/float64(count)
+	return time.Duration(max(at-float64(t), 1))
 }

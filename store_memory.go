@@ -2,7 +2,9 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
 	"hash/maphash"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -10,14 +12,16 @@ import (
 	"time"
 )
 
-// MemoryStore is the in-process Store: fixed windows in a sharded hash map,
-// bounded to a maximum number of tracked keys. When full it first purges
-// expired windows, then evicts the keys it inserted first (FIFO, kept per
-// shard: the oldest key of the shard that needs room goes).
+// MemoryStore is the in-process Store: fixed or sliding windows in a sharded
+// hash map, bounded to a maximum number of tracked keys. When full it first
+// purges expired windows, then evicts the keys it inserted first (FIFO, kept
+// per shard: the oldest key of the shard that needs room goes).
 //
 // A Hit on a key already tracked is one hash, one shard lock and one map
-// lookup, and allocates nothing. The zero value is not usable; call
-// NewMemoryStore. A MemoryStore is safe for concurrent use.
+// lookup, and allocates nothing; a Decide over n limits takes the n shard
+// locks in ascending order, so that decisions never deadlock and each is
+// atomic. The zero value is not usable; call NewMemoryStore. A MemoryStore
+// is safe for concurrent use.
 type MemoryStore struct {
 	seed       maphash.Seed
 	shards     []memShard
@@ -28,28 +32,41 @@ type MemoryStore struct {
 	purging    atomic.Bool
 	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
 	purgeEvery time.Duration // least time between two purges made for room
+
+	namesMu sync.Mutex
+	names   [MaxChecks]string // the limit name of each slot, for Range
 }
 
-// memEntry is one key's fixed window: 32 bytes and no pointers, so a large
-// map costs the garbage collector nothing to scan.
+// memEntry is one key's window in one limit: 32 bytes and no pointers, so a
+// large map costs the garbage collector nothing to scan.
 type memEntry struct {
 	reset   int64 // Unix nanoseconds at which the window ends
-	count   int64 // requests admitted in the window
-	refused int64 // requests refused in the window
 	seq     uint64
+	count   int32 // requests admitted in the window (max is at most 1e9)
+	refused int32 // requests refused in the window, saturating
+	prev    int32 // sliding: requests admitted in the previous window
+	span    int32 // sliding: the window in seconds, kept while prev counts; 0 for fixed
+}
+
+// expires returns when the entry holds nothing that counts any more: the end
+// of its window, or for a sliding window a window later, while its count
+// still weighs on the next window.
+func (e memEntry) expires() int64 {
+	return e.reset + int64(e.span)*int64(time.Second)
 }
 
 // orderItem records one insertion; an item whose seq no longer matches the
 // entry's is stale (the key was purged, forgotten or re-inserted).
 type orderItem struct {
-	key string
-	seq uint64
+	key  string
+	seq  uint64
+	slot int
 }
 
 type memShard struct {
 	mu      sync.Mutex
-	entries map[string]memEntry
-	order   []orderItem // insertion order; live items start at head
+	entries [MaxChecks]map[string]memEntry // by limit slot; nil until used
+	order   []orderItem                    // insertion order; live items start at head
 	head    int
 	seq     uint64
 	_       [64]byte // keep neighbouring shards' locks off one cache line
@@ -67,7 +84,7 @@ func NewMemoryStore(maxTracked int) *MemoryStore {
 		purgeEvery: time.Second,
 	}
 	for i := range s.shards {
-		s.shards[i].entries = make(map[string]memEntry)
+		s.shards[i].entries[0] = make(map[string]memEntry)
 	}
 	s.SetMaxTracked(maxTracked)
 	return s
@@ -79,6 +96,42 @@ func (s *MemoryStore) SetMaxTracked(maxTracked int) {
 	s.maxTracked.Store(int64(max(maxTracked, 1)))
 }
 
+// SetSlotName names the limit counted in slot, for Range. A new name for a
+// slot forgets what the slot counted under the old one.
+func (s *MemoryStore) SetSlotName(slot int, name string) {
+	s.namesMu.Lock()
+	old := s.names[slot]
+	s.names[slot] = name
+	s.namesMu.Unlock()
+	if old != name {
+		s.clearSlot(slot)
+	}
+}
+
+// slotName returns the name of the limit counted in slot.
+func (s *MemoryStore) slotName(slot int) string {
+	s.namesMu.Lock()
+	defer s.namesMu.Unlock()
+	return s.names[slot]
+}
+
+// clearSlot forgets every key counted in slot.
+func (s *MemoryStore) clearSlot(slot int) {
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		n := len(sh.entries[slot])
+		if slot == 0 {
+			clear(sh.entries[0])
+		} else {
+			sh.entries[slot] = nil
+		}
+		sh.compact()
+		sh.mu.Unlock()
+		s.tracked.Add(-int64(n))
+	}
+}
+
 // MaxTracked returns the bound on tracked keys.
 func (s *MemoryStore) MaxTracked() int { return int(s.maxTracked.Load()) }
 
@@ -86,54 +139,191 @@ func (s *MemoryStore) MaxTracked() int { return int(s.maxTracked.Load()) }
 // since the store was created. Expired windows purged are not counted.
 func (s *MemoryStore) Evictions() uint64 { return s.evictions.Load() }
 
-func (s *MemoryStore) shardIndex(key string) uint64 {
-	return maphash.String(s.seed, key) & s.mask
+// slotSalts spread one key's limits over different shards.
+var slotSalts = [MaxChecks]uint64{0, 0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb, 0x2545f4914f6cdd1d, 0x853c49e6748fea9b, 0xda942042e4dd58b5, 0xa0761d6478bd642f}
+
+func (s *MemoryStore) shardIndex(key string, slot int) uint64 {
+	return (maphash.String(s.seed, key) ^ slotSalts[slot]) & s.mask
 }
 
 // Hit implements Store. It never returns an error.
-func (s *MemoryStore) Hit(_ context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
-	t := now.UnixNano()
-	idx := s.shardIndex(key)
-	sh := &s.shards[idx]
-	sh.mu.Lock()
-	e, ok := sh.entries[key]
-	if !ok && s.full() {
-		// Purging scans every shard, so it runs with no lock held.
-		sh.mu.Unlock()
-		s.purgeForRoom(t)
-		sh.mu.Lock()
-		e, ok = sh.entries[key]
-	}
-	if !ok {
-		key = strings.Clone(key) // never pin the request's memory in the map
-		for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
-		}
-		sh.seq++
-		e.seq = sh.seq
-		e.reset = t + int64(limit.Window)
-		sh.order = append(sh.order, orderItem{key: key, seq: e.seq})
-		s.tracked.Add(1)
-	} else if e.reset = limit.end(e.reset, t); t >= e.reset {
-		e.count, e.refused = 0, 0
-		e.reset = t + int64(limit.Window)
-	}
-	v := Verdict{Limit: limit.Max}
-	if e.count < int64(limit.Max) {
-		e.count++
-		v.Allowed = true
-	} else {
-		e.refused++
-		v.FirstRefusal = e.refused == 1
-	}
-	sh.entries[key] = e
-	sh.mu.Unlock()
+func (s *MemoryStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+	var out [1]Verdict
+	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
+	return out[0], err
+}
 
-	v.Remaining = int(max(int64(limit.Max)-e.count, 0))
-	v.Reset = time.Unix(0, e.reset)
-	if !v.Allowed {
-		v.RetryAfter = time.Duration(e.reset - t)
+// Decide implements Store. It fails only for more than MaxChecks checks or a
+// slot out of range.
+func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, out []Verdict) error {
+	n := len(checks)
+	if n > MaxChecks || len(out) < n {
+		return fmt.Errorf("memory store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
-	return v, nil
+	var idx, locks [MaxChecks]uint64
+	for i, c := range checks {
+		if c.Slot < 0 || c.Slot >= MaxChecks {
+			return fmt.Errorf("memory store: check slot %d out of range", c.Slot)
+		}
+		idx[i] = s.shardIndex(c.Key, c.Slot)
+	}
+	nl := sortedUnique(idx[:n], locks[:])
+	t := now.UnixNano()
+
+	var es [MaxChecks]memEntry
+	var found [MaxChecks]bool
+	s.lockShards(locks[:nl])
+	missing := false
+	for i, c := range checks {
+		es[i], found[i] = s.shards[idx[i]].entries[c.Slot][c.Key]
+		missing = missing || !found[i]
+	}
+	if missing && s.full() {
+		// Purging scans every shard, so it runs with no lock held.
+		s.unlockShards(locks[:nl])
+		s.purgeForRoom(t)
+		s.lockShards(locks[:nl])
+		for i, c := range checks {
+			es[i], found[i] = s.shards[idx[i]].entries[c.Slot][c.Key]
+		}
+	}
+
+	allowed := true
+	for i, c := range checks {
+		e := &es[i]
+		if found[i] {
+			e.roll(t, c.Limit)
+		} else {
+			*e = memEntry{reset: t + int64(c.Limit.Window)}
+			if c.Limit.Sliding {
+				e.span = int32(c.Limit.Window / time.Second)
+			}
+		}
+		out[i] = Verdict{Limit: c.Limit.Max, Reset: time.Unix(0, e.reset), Allowed: e.admits(t, c.Limit)}
+		allowed = allowed && out[i].Allowed
+	}
+	for i, c := range checks {
+		e := &es[i]
+		switch {
+		case allowed:
+			e.count++
+		case !out[i].Allowed:
+			if e.refused < math.MaxInt32 {
+				e.refused++
+			}
+			out[i].FirstRefusal = e.refused == 1
+			out[i].RetryAfter = e.wait(t, c.Limit)
+		}
+		out[i].Remaining = e.remaining(t, c.Limit)
+		s.store(idx[i], c, e, found[i])
+	}
+	s.unlockShards(locks[:nl])
+	return nil
+}
+
+// store writes e back as key's entry in shard idx; new is false for a key
+// that was tracked when the decision began. The caller holds the lock.
+func (s *MemoryStore) store(idx uint64, c Check, e *memEntry, tracked bool) {
+	sh := &s.shards[idx]
+	m := sh.entries[c.Slot]
+	if m == nil {
+		m = make(map[string]memEntry)
+		sh.entries[c.Slot] = m
+	}
+	if tracked {
+		if _, ok := m[c.Key]; ok {
+			m[c.Key] = *e
+			return
+		}
+		// Evicted to make room for another key of this decision: it
+		// goes back in as a new key.
+	}
+	key := strings.Clone(c.Key) // never pin the request's memory in the map
+	for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
+	}
+	sh.seq++
+	e.seq = sh.seq
+	m[key] = *e
+	sh.order = append(sh.order, orderItem{key: key, seq: e.seq, slot: c.Slot})
+	s.tracked.Add(1)
+}
+
+// roll moves the entry to the window holding t: a fixed window that has
+// ended starts afresh; a sliding one keeps the count of the window just
+// ended as prev. A window a reload shortened is cut first (Limit.end).
+func (e *memEntry) roll(t int64, l Limit) {
+	e.reset = l.end(e.reset, t)
+	if t < e.reset {
+		return
+	}
+	w := int64(l.Window)
+	if l.Sliding && t < e.reset+w {
+		e.prev = e.count
+		e.reset += w
+	} else {
+		e.prev = 0
+		e.reset = t + w
+	}
+	e.count, e.refused = 0, 0
+	e.span = 0
+	if l.Sliding {
+		e.span = int32(l.Window / time.Second)
+	}
+}
+
+// admits reports whether one more request fits the entry's window at t.
+func (e *memEntry) admits(t int64, l Limit) bool {
+	if !l.Sliding {
+		return int64(e.count) < int64(l.Max)
+	}
+	return l.sliding(int64(e.prev), int64(e.count), e.reset, t)+1 <= float64(l.Max)
+}
+
+// remaining returns how many more requests fit the entry's window at t.
+func (e *memEntry) remaining(t int64, l Limit) int {
+	if !l.Sliding {
+		return int(max(int64(l.Max)-int64(e.count), 0))
+	}
+	return int(max(float64(l.Max)-math.Ceil(l.sliding(int64(e.prev), int64(e.count), e.reset, t)), 0))
+}
+
+// wait returns how long a refused key waits at t until a request fits.
+func (e *memEntry) wait(t int64, l Limit) time.Duration {
+	if !l.Sliding {
+		return time.Duration(e.reset - t)
+	}
+	return max(l.slidingWait(int64(e.prev), int64(e.count), e.reset, t), 1)
+}
+
+// sortedUnique writes the distinct values of idx to out in ascending order
+// and returns how many there are. idx holds at most MaxChecks values.
+func sortedUnique(idx []uint64, out []uint64) int {
+	n := 0
+	for _, v := range idx {
+		j := n
+		for j > 0 && out[j-1] > v {
+			j--
+		}
+		if j > 0 && out[j-1] == v {
+			continue
+		}
+		copy(out[j+1:n+1], out[j:n])
+		out[j] = v
+		n++
+	}
+	return n
+}
+
+func (s *MemoryStore) lockShards(idx []uint64) {
+	for _, i := range idx {
+		s.shards[i].mu.Lock()
+	}
+}
+
+func (s *MemoryStore) unlockShards(idx []uint64) {
+	for j := len(idx) - 1; j >= 0; j-- {
+		s.shards[idx[j]].mu.Unlock()
+	}
 }
 
 // full reports whether the store holds its maximum of keys.
@@ -159,8 +349,8 @@ func (sh *memShard) evictOldest(s *MemoryStore) bool {
 		it := sh.order[sh.head]
 		sh.order[sh.head] = orderItem{}
 		sh.head++
-		if e, ok := sh.entries[it.key]; ok && e.seq == it.seq {
-			delete(sh.entries, it.key)
+		if e, ok := sh.entries[it.slot][it.key]; ok && e.seq == it.seq {
+			delete(sh.entries[it.slot], it.key)
 			s.tracked.Add(-1)
 			s.evictions.Add(1)
 			sh.compact()
@@ -193,10 +383,12 @@ func (s *MemoryStore) evictElsewhere(idx uint64) bool {
 // deleted. The caller holds sh.mu.
 func (sh *memShard) purge(t int64) int {
 	n := 0
-	for k, e := range sh.entries {
-		if t >= e.reset {
-			delete(sh.entries, k)
-			n++
+	for _, m := range sh.entries {
+		for k, e := range m {
+			if t >= e.expires() {
+				delete(m, k)
+				n++
+			}
 		}
 	}
 	if n > 0 {
@@ -209,13 +401,17 @@ func (sh *memShard) purge(t int64) int {
 // live ones, keeping the order slice proportional to the shard. The caller
 // holds sh.mu.
 func (sh *memShard) compact() {
+	size := 0
+	for _, m := range sh.entries {
+		size += len(m)
+	}
 	live := len(sh.order) - sh.head
-	if live <= 2*len(sh.entries)+64 && sh.head <= len(sh.order)/2 {
+	if live <= 2*size+64 && sh.head <= len(sh.order)/2 {
 		return
 	}
-	kept := make([]orderItem, 0, len(sh.entries)+len(sh.entries)/4+16)
+	kept := make([]orderItem, 0, size+size/4+16)
 	for _, it := range sh.order[sh.head:] {
-		if e, ok := sh.entries[it.key]; ok && e.seq == it.seq {
+		if e, ok := sh.entries[it.slot][it.key]; ok && e.seq == it.seq {
 			kept = append(kept, it)
 		}
 	}
@@ -226,9 +422,14 @@ func (sh *memShard) compact() {
 func (s *MemoryStore) Len() int { return int(s.tracked.Load()) }
 
 // Range implements Store. It copies one shard at a time under that shard's
-// lock and calls fn with no lock held.
+// lock and calls fn with no lock held. A sliding window is listed until it
+// ends, like a fixed one.
 func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
 	t := now.UnixNano()
+	var names [MaxChecks]string
+	s.namesMu.Lock()
+	names = s.names
+	s.namesMu.Unlock()
 	var batch []KeyState
 	for i := range s.shards {
 		if err := ctx.Err(); err != nil {
@@ -237,9 +438,11 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 		sh := &s.shards[i]
 		batch = batch[:0]
 		sh.mu.Lock()
-		for k, e := range sh.entries {
-			if t < e.reset {
-				batch = append(batch, KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset)})
+		for slot, m := range sh.entries {
+			for k, e := range m {
+				if t < e.reset {
+					batch = append(batch, KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Name: names[slot]})
+				}
 			}
 		}
 		sh.mu.Unlock()
@@ -252,30 +455,45 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 	return nil
 }
 
-// Forget implements Store. It never returns an error.
-func (s *MemoryStore) Forget(_ context.Context, key string) (bool, error) {
-	sh := &s.shards[s.shardIndex(key)]
+// Forget implements Store: it drops key from every slot. It never returns
+// an error.
+func (s *MemoryStore) Forget(ctx context.Context, key string) (bool, error) {
+	found := false
+	for slot := range MaxChecks {
+		ok, _ := s.ForgetCheck(ctx, Check{Slot: slot, Key: key})
+		found = found || ok
+	}
+	return found, nil
+}
+
+// ForgetCheck implements Store. It never returns an error.
+func (s *MemoryStore) ForgetCheck(_ context.Context, c Check) (bool, error) {
+	if c.Slot < 0 || c.Slot >= MaxChecks {
+		return false, nil
+	}
+	sh := &s.shards[s.shardIndex(c.Key, c.Slot)]
 	sh.mu.Lock()
-	_, ok := sh.entries[key]
+	_, ok := sh.entries[c.Slot][c.Key]
 	if ok {
-		delete(sh.entries, key)
+		delete(sh.entries[c.Slot], c.Key)
 		s.tracked.Add(-1)
 	}
 	sh.mu.Unlock()
 	return ok, nil
 }
 
-// CutWindows ends every window that would end after cutoff at cutoff: a
-// reload shortened the window.
-func (s *MemoryStore) CutWindows(cutoff time.Time) {
+// CutWindows ends every window of the limit in slot that would end after
+// cutoff at cutoff: a reload shortened the limit's window.
+func (s *MemoryStore) CutWindows(slot int, cutoff time.Time) {
 	c := cutoff.UnixNano()
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		for k, e := range sh.entries {
+		m := sh.entries[slot]
+		for k, e := range m {
 			if e.reset > c {
 				e.reset = c
-				sh.entries[k] = e
+				m[k] = e
 			}
 		}
 		sh.mu.Unlock()

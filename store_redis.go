@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,14 +19,22 @@ import (
 	"go.uber.org/zap"
 )
 
-// hitScript is one fixed-window decision: see store_redis.lua. Run sends it
-// by EVALSHA and loads it on NOSCRIPT, so a restarted Redis costs one extra
-// round trip.
+// hitScript is one fixed-window decision over one or more limits: see
+// store_redis.lua. Run sends it by EVALSHA and loads it on NOSCRIPT, so a
+// restarted Redis costs one extra round trip.
 //
 //go:embed store_redis.lua
 var hitSource string
 
 var hitScript = redis.NewScript(hitSource)
+
+// releaseScript gives back a Cluster decision's reservation in one slot:
+// see store_redis_release.lua.
+//
+//go:embed store_redis_release.lua
+var releaseSource string
+
+var releaseScript = redis.NewScript(releaseSource)
 
 // What a RedisStore does when Redis fails or is too slow to answer.
 const (
@@ -113,6 +122,7 @@ type RedisStore struct {
 	onError atomic.Pointer[string]
 	local   *MemoryStore // the on_error local fallback
 	refused refusedCache
+	names   atomic.Pointer[[]string] // the zone's limits past the first
 	logger  *zap.Logger
 
 	state      atomic.Int32
@@ -188,78 +198,215 @@ func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
 // Hit implements Store. It returns an error only when Redis failed and
 // on_error is deny; with allow or local the verdict has StoreError set.
 func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+	var out [1]Verdict
+	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
+	return out[0], err
+}
+
+// Decide implements Store. It returns an error only when Redis failed and
+// on_error is deny; with allow or local the verdicts have StoreError set.
+//
+// On a single Redis or Sentinel the decision is one script call. On a
+// Cluster, the checks whose keys share a slot (the limits of one client key
+// do) are one call; checks in several slots are decided slot by slot, each
+// call reserving its counts when its limits admit, and a refusal in any slot
+// gives the reservations back (store_redis_release.lua). The Cluster never
+// admits more than a limit allows and leaves no count of a refused request;
+// while a reservation is being given back, a concurrent request may be
+// refused that an exact decision would admit.
+func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
+	n := len(checks)
+	if n > MaxChecks || len(out) < n {
+		return fmt.Errorf("redis store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
+	}
 	t := now.UnixNano()
-	if reset, ok := s.refused.get(key, t, limit); ok {
-		return Verdict{
-			Limit:      limit.Max,
-			Reset:      time.Unix(0, reset),
-			RetryAfter: time.Duration(reset - t),
-		}, nil
+	for i, c := range checks {
+		if reset, ok := s.refused.get(cacheKey(c.Name, c.Key), t, c.Limit); ok {
+			// One limit is known to refuse: so is the request, with
+			// no round trip. The other limits were not asked.
+			for j, o := range checks {
+				out[j] = Verdict{Allowed: true, Limit: o.Limit.Max, Remaining: o.Limit.Max, Reset: now.Add(o.Limit.Window)}
+			}
+			out[i] = Verdict{Limit: c.Limit.Max, Reset: time.Unix(0, reset), RetryAfter: time.Duration(reset - t)}
+			return nil
+		}
 	}
 	if s.state.Load() == stateDegraded {
-		return s.fallback(ctx, key, now, limit, ErrRedisDegraded)
+		return s.fallback(ctx, checks, now, out, ErrRedisDegraded)
 	}
-	v, err := s.hitRedis(ctx, key, now, limit)
+	err := s.decideRedis(ctx, checks, now, out)
 	if err != nil {
 		if ctx.Err() != nil {
 			// The request itself was cancelled: no verdict, and no
 			// evidence against Redis.
-			return Verdict{}, fmt.Errorf("redis store: %w", ctx.Err())
+			return fmt.Errorf("redis store: %w", ctx.Err())
 		}
 		s.failed(err)
-		return s.fallback(ctx, key, now, limit, err)
+		return s.fallback(ctx, checks, now, out, err)
 	}
 	s.succeeded()
-	if !v.Allowed {
-		s.refused.put(key, v.Reset.UnixNano(), limit.Max, t)
+	for i, c := range checks {
+		if !out[i].Allowed {
+			s.refused.put(cacheKey(c.Name, c.Key), out[i].Reset.UnixNano(), c.Limit.Max, t)
+		}
 	}
-	return v, nil
+	return nil
 }
 
-// hitRedis runs the decision script for key.
-func (s *RedisStore) hitRedis(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+// cacheKey is a check's key in the refused cache: the client key for a
+// zone's first limit, else the limit's name and the key.
+func cacheKey(name, key string) string {
+	if name == "" {
+		return key
+	}
+	return name + "\x00" + key
+}
+
+// splitCacheKey undoes cacheKey.
+func splitCacheKey(k string) (name, key string) {
+	if name, key, ok := strings.Cut(k, "\x00"); ok {
+		return name, key
+	}
+	return "", k
+}
+
+// decideRedis runs the decision script for the checks: once, or on a
+// Cluster once per slot they span (see Decide).
+func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
-	base := s.base(s.tag(key))
-	keys := []string{base + "c", base + "r"}
-	cutoff := limit.cutoffIn(now).Milliseconds()
-	res, err := hitScript.Run(ctx, s.client, keys, limit.Max, limit.Window.Milliseconds(), cutoff).Int64Slice()
+	var keys [2 * MaxChecks]string
+	for i, c := range checks {
+		base := s.base(c.Name, s.tag(c.Key))
+		keys[2*i], keys[2*i+1] = base+"c", base+"r"
+	}
+	_, cluster := s.client.(*redis.ClusterClient)
+	if !cluster || len(checks) == 1 {
+		return s.runDecision(ctx, checks, keys[:2*len(checks)], now, out)
+	}
+	// Group the checks by slot, in the order their slots first appear.
+	var slotOf [MaxChecks]uint16
+	for i := range checks {
+		slotOf[i] = clusterSlot(keys[2*i])
+	}
+	done := make([]bool, len(checks))
+	var reserved [][]string // count keys of the slots that admitted
+	admitted := true
+	for i := range checks {
+		if done[i] {
+			continue
+		}
+		var idx []int
+		for j := i; j < len(checks); j++ {
+			if !done[j] && slotOf[j] == slotOf[i] {
+				idx = append(idx, j)
+				done[j] = true
+			}
+		}
+		group := make([]Check, len(idx))
+		gkeys := make([]string, 0, 2*len(idx))
+		for k, j := range idx {
+			group[k] = checks[j]
+			gkeys = append(gkeys, keys[2*j], keys[2*j+1])
+		}
+		gout := make([]Verdict, len(idx))
+		if err := s.runDecision(ctx, group, gkeys, now, gout); err != nil {
+			s.release(ctx, reserved)
+			return err
+		}
+		slotAdmits := true
+		for k, j := range idx {
+			out[j] = gout[k]
+			slotAdmits = slotAdmits && gout[k].Allowed
+		}
+		if !slotAdmits {
+			// The request is refused. The other slots are still asked,
+			// so that every limit that refuses tallies it and the
+			// verdicts (and headers) are exact.
+			admitted = false
+			continue
+		}
+		counted := make([]string, 0, len(idx))
+		for _, j := range idx {
+			counted = append(counted, keys[2*j])
+		}
+		reserved = append(reserved, counted)
+	}
+	if admitted {
+		return nil
+	}
+	s.release(ctx, reserved)
+	for i, c := range checks {
+		if out[i].Allowed {
+			out[i].Remaining = min(out[i].Remaining+1, c.Limit.Max) // its reservation was given back
+		}
+	}
+	return nil
+}
+
+// release gives back the counts reserved in each slot group. A failure is
+// logged: the counts then stand until their windows end.
+func (s *RedisStore) release(ctx context.Context, groups [][]string) {
+	for _, keys := range groups {
+		if err := releaseScript.Run(ctx, s.client, keys).Err(); err != nil {
+			s.logger.Warn("giving back a refused request's counts", zap.Strings("keys", keys), zap.Error(err))
+		}
+	}
+}
+
+// runDecision runs the decision script once for checks, whose keys (count
+// and refused key of each, in order) share one slot.
+func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []string, now time.Time, out []Verdict) error {
+	var args [3 * MaxChecks]any
+	for i, c := range checks {
+		args[3*i], args[3*i+1], args[3*i+2] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds()
+	}
+	res, err := hitScript.Run(ctx, s.client, keys, args[:3*len(checks)]...).Int64Slice()
 	if err != nil {
-		return Verdict{}, err
+		return err
 	}
-	if len(res) != 4 {
-		return Verdict{}, fmt.Errorf("redis store: decision script returned %d values, want 4", len(res))
+	if len(res) != 4*len(checks) {
+		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 4*len(checks))
 	}
-	v := Verdict{
-		Allowed:   res[0] == 1,
-		Limit:     limit.Max,
-		Remaining: int(max(int64(limit.Max)-res[1], 0)),
-		Reset:     now.Add(time.Duration(res[2]) * time.Millisecond),
+	for i, c := range checks {
+		r := res[4*i : 4*i+4]
+		v := Verdict{
+			Allowed:   r[0] == 1,
+			Limit:     c.Limit.Max,
+			Remaining: int(max(int64(c.Limit.Max)-r[1], 0)),
+			Reset:     now.Add(time.Duration(r[2]) * time.Millisecond),
+		}
+		if !v.Allowed {
+			v.RetryAfter = time.Duration(r[2]) * time.Millisecond
+			v.FirstRefusal = r[3] == 1
+		}
+		out[i] = v
 	}
-	if !v.Allowed {
-		v.RetryAfter = time.Duration(res[2]) * time.Millisecond
-		v.FirstRefusal = res[3] == 1
-	}
-	return v, nil
+	return nil
 }
 
 // fallback decides without Redis, as on_error says.
-func (s *RedisStore) fallback(ctx context.Context, key string, now time.Time, limit Limit, cause error) (Verdict, error) {
+func (s *RedisStore) fallback(ctx context.Context, checks []Check, now time.Time, out []Verdict, cause error) error {
 	switch *s.onError.Load() {
 	case OnErrorAllow:
-		return Verdict{
-			Allowed:    true,
-			Limit:      limit.Max,
-			Remaining:  limit.Max,
-			Reset:      now.Add(limit.Window),
-			StoreError: true,
-		}, nil
+		for i, c := range checks {
+			out[i] = Verdict{
+				Allowed:    true,
+				Limit:      c.Limit.Max,
+				Remaining:  c.Limit.Max,
+				Reset:      now.Add(c.Limit.Window),
+				StoreError: true,
+			}
+		}
+		return nil
 	case OnErrorDeny:
-		return Verdict{}, fmt.Errorf("redis store: %w", cause)
+		return fmt.Errorf("redis store: %w", cause)
 	default:
-		v, err := s.local.Hit(ctx, key, now, limit)
-		v.StoreError = true
-		return v, err
+		err := s.local.Decide(ctx, checks, now, out)
+		for i := range checks {
+			out[i].StoreError = true
+		}
+		return err
 	}
 }
 
@@ -362,7 +509,8 @@ func (s *RedisStore) flushRefused(ctx context.Context, now time.Time) error {
 			if ttl < time.Millisecond {
 				continue
 			}
-			k := s.base(s.tag(p.key)) + "r"
+			name, key := splitCacheKey(p.key)
+			k := s.base(name, s.tag(key)) + "r"
 			pipe.IncrBy(ctx, k, int64(p.n))
 			pipe.PExpire(ctx, k, ttl)
 		}
@@ -424,7 +572,7 @@ const probeTag = "__probe"
 // fail (out of memory, a read-only replica, a script error), and the store
 // would cycle between degraded and recovering.
 func (s *RedisStore) probeOnce(ctx context.Context) error {
-	base := s.base(probeTag)
+	base := s.base("", probeTag)
 	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r"}, 1<<30, 1000, 1000).Err()
 }
 
@@ -439,11 +587,74 @@ func (s *RedisStore) tag(key string) string {
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-// base returns the Redis key of a client tag without its last letter
-// ("c" for the count, "r" for the refused tally). The tag is a Cluster hash
-// tag, so both keys of a client map to one slot.
-func (s *RedisStore) base(tag string) string {
-	return s.prefix + "{" + tag + "}:"
+// base returns the Redis key of a client tag in the named limit without its
+// last letter ("c" for the count, "r" for the refused tally). The tag is a
+// Cluster hash tag, so both keys of a client map to one slot, and so do the
+// keys of one client in every limit. A zone's first limit (name "") has no
+// name in its keys.
+func (s *RedisStore) base(name, tag string) string {
+	if name == "" {
+		return s.prefix + "{" + tag + "}:"
+	}
+	return s.prefix + "@" + name + ":{" + tag + "}:"
+}
+
+// parseKey splits a count key the store wrote into the limit name and the
+// tag; ok is false for a key of another zone whose name the prefix starts.
+func (s *RedisStore) parseKey(k string) (name, tag string, ok bool) {
+	rest, ok := strings.CutPrefix(k, s.prefix)
+	if !ok {
+		return "", "", false
+	}
+	if after, isNamed := strings.CutPrefix(rest, "@"); isNamed {
+		i := strings.Index(after, ":{")
+		if i < 0 {
+			return "", "", false
+		}
+		name, rest = after[:i], after[i+1:]
+	}
+	if !strings.HasPrefix(rest, "{") || !strings.HasSuffix(rest, "}:c") {
+		return "", "", false
+	}
+	return name, rest[1 : len(rest)-3], true
+}
+
+// SetLimitNames tells the store the names of the zone's limits other than
+// the first, so that Forget reaches a key in each.
+func (s *RedisStore) SetLimitNames(names []string) {
+	cp := slices.Clone(names)
+	s.names.Store(&cp)
+}
+
+// limitNames returns "" (the first limit) and the names SetLimitNames gave.
+func (s *RedisStore) limitNames() []string {
+	names := []string{""}
+	if p := s.names.Load(); p != nil {
+		names = append(names, *p...)
+	}
+	return names
+}
+
+// clusterSlot returns the Redis Cluster slot of key: CRC16 (XMODEM) of its
+// hash tag, or of the whole key when it has none, modulo 16384.
+func clusterSlot(key string) uint16 {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			key = key[i+1 : i+1+j]
+		}
+	}
+	var crc uint16
+	for k := 0; k < len(key); k++ {
+		crc ^= uint16(key[k]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return crc % 16384
 }
 
 // Len implements Store. Counters in Redis are counted only by Range, which
@@ -512,17 +723,22 @@ func (s *RedisStore) forEachNode(ctx context.Context, fn func(ctx context.Contex
 	return fn(ctx, s.client)
 }
 
-// CutWindows ends every window of the zone that would end after cutoff at
-// cutoff, in Redis and in the local caches: a reload shortened the window.
-// It scans the zone's keys a page at a time and sets each page's expiries
-// in one pipeline with PEXPIRE … LT (Redis 7), which never lengthens one.
-func (s *RedisStore) CutWindows(ctx context.Context, cutoff time.Time) error {
+// CutWindows ends every window of the limit c names (its Slot and Name)
+// that would end after cutoff at cutoff, in Redis and in the local caches: a
+// reload shortened the limit's window. It scans the zone's keys a page at a
+// time and sets each page's expiries in one pipeline with PEXPIRE … LT
+// (Redis 7), which never lengthens one.
+func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) error {
 	s.refused.forgetAfter(cutoff.UnixNano())
-	s.local.CutWindows(cutoff)
-	return s.forEachNode(ctx, func(ctx context.Context, c scanner) error {
-		return s.scanPages(ctx, c, func(ctx context.Context, keys []string) error {
+	s.local.CutWindows(c.Slot, cutoff)
+	return s.forEachNode(ctx, func(ctx context.Context, node scanner) error {
+		return s.scanPages(ctx, node, func(ctx context.Context, keys []string) error {
+			keys = slices.DeleteFunc(keys, func(k string) bool {
+				name, _, ok := s.parseKey(k)
+				return !ok || name != c.Name
+			})
 			ms := time.Until(cutoff).Milliseconds()
-			pipe := c.Pipeline()
+			pipe := node.Pipeline()
 			for _, k := range keys {
 				if ms <= 0 {
 					pipe.Del(ctx, k, strings.TrimSuffix(k, "c")+"r")
@@ -542,7 +758,7 @@ func (s *RedisStore) CutWindows(ctx context.Context, cutoff time.Time) error {
 // scanPages calls page with each page of the zone's count keys on one Redis
 // node.
 func (s *RedisStore) scanPages(ctx context.Context, c scanner, page func(ctx context.Context, keys []string) error) error {
-	pattern := escapeGlob(s.prefix) + "{*}:c"
+	pattern := escapeGlob(s.prefix) + "*{*}:c"
 	var cursor uint64
 	for {
 		// Each step has its own deadline: the client has no read timeout
@@ -591,33 +807,50 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 			continue // expired between SCAN and GET
 		}
 		refused, _ := rows[i].refused.Int()
-		tag := strings.TrimSuffix(strings.TrimPrefix(k, s.prefix+"{"), "}:c")
-		if tag == probeTag {
+		name, tag, ok := s.parseKey(k)
+		if !ok || tag == probeTag {
 			continue
 		}
-		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Reset: now.Add(ttl)}) {
+		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Reset: now.Add(ttl), Name: name}) {
 			return errStopRange
 		}
 	}
 	return nil
 }
 
-// Forget implements Store. key is a client key or, with hashed keys, the
-// hash Range lists. Other Caddy instances may still refuse the key from
-// their local cache until its window would have reset.
+// Forget implements Store: it forgets key in every limit of the zone. key is
+// a client key or, with hashed keys, the hash Range lists. Other Caddy
+// instances may still refuse the key from their local cache until its
+// window would have reset.
 func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
+	found := false
+	for slot, name := range s.limitNames() {
+		ok, err := s.ForgetCheck(ctx, Check{Slot: slot, Name: name, Key: key})
+		if err != nil {
+			return found, err
+		}
+		found = found || ok
+	}
+	return found, nil
+}
+
+// ForgetCheck implements Store.
+func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
-	tags := []string{s.tag(key)}
-	if s.hashKey != nil && isHexHash(key) {
-		tags = append(tags, key)
-		s.refused.forgetFunc(func(k string) bool { return s.tag(k) == key })
+	tags := []string{s.tag(c.Key)}
+	if s.hashKey != nil && isHexHash(c.Key) {
+		tags = append(tags, c.Key)
+		s.refused.forgetFunc(func(k string) bool {
+			name, key := splitCacheKey(k)
+			return name == c.Name && s.tag(key) == c.Key
+		})
 	}
-	s.refused.forget(key)
-	_, _ = s.local.Forget(ctx, key)
+	s.refused.forget(cacheKey(c.Name, c.Key))
+	_, _ = s.local.ForgetCheck(ctx, c)
 	found := false
 	for _, tag := range tags {
-		base := s.base(tag)
+		base := s.base(c.Name, tag)
 		// One DEL per tag: both keys share the tag's slot.
 		n, err := s.client.Del(ctx, base+"c", base+"r").Result()
 		if err != nil {

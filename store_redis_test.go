@@ -74,7 +74,7 @@ func TestRedisStoreVerdicts(t *testing.T) {
 	// The refusals were not counted in Redis; the 4th was tallied by the
 	// script, the 5th (refused from the local cache, without a round trip)
 	// by the next flush of the cache's refusals, here at once.
-	base := s.base("10.0.0.1")
+	base := s.base("", "10.0.0.1")
 	if err := s.flushRefused(ctx, now); err != nil {
 		t.Fatal(err)
 	}
@@ -297,7 +297,7 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := range keys {
-		k := s.base(fmt.Sprintf("10.2.%d.%d", i/256, i%256)) + "r"
+		k := s.base("", fmt.Sprintf("10.2.%d.%d", i/256, i%256)) + "r"
 		if n, _ := client.Get(ctx, k).Int(); n != 2 {
 			t.Fatalf("tally of %s = %d, want 2", k, n)
 		}
@@ -305,7 +305,7 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 			t.Fatalf("PTTL %s = %s, want about 8s (the reset 10s on, flushed 2s on)", k, ttl)
 		}
 	}
-	if n := client.Exists(ctx, s.base("gone")+"r").Val(); n != 0 {
+	if n := client.Exists(ctx, s.base("", "gone")+"r").Val(); n != 0 {
 		t.Error("a tally was written for a window that had reset")
 	}
 	if srv.Kind == redistest.KindReal {
@@ -318,7 +318,7 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 	if err := s.flushRefused(ctx, now.Add(2*time.Second)); err != nil {
 		t.Fatal(err)
 	}
-	if n, _ := client.Get(ctx, s.base("10.2.0.0")+"r").Int(); n != 2 {
+	if n, _ := client.Get(ctx, s.base("", "10.2.0.0")+"r").Int(); n != 2 {
 		t.Errorf("tally after a second flush = %d, want 2", n)
 	}
 }

@@ -139,7 +139,7 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 			fmt.Errorf("websocket connection limit reached: key %s in zone %q has %d open", key, rl.Zone, rl.WSMaxConnectionsPerIP))
 	}
 	defer release()
-	z.countVerdict(v)
+	z.countVerdict(true, v.StoreError, false)
 	return next.ServeHTTP(w, r)
 }
 

@@ -35,6 +35,10 @@ type zone struct {
 	redis     *RedisStore
 	redisConn string
 
+	// slots names the limit each memory store slot counts ("" for the
+	// first limit and for free slots).
+	slots [MaxChecks]string
+
 	// holders are the handlers holding the zone, in provisioning order; the
 	// zone runs with the settings of the newest, so that a reload applies
 	// its settings and a failed reload, whose handlers let go, restores the
@@ -45,6 +49,9 @@ type zone struct {
 	// results counts decisions by outcome since the zone was created; the
 	// metrics read them, so a config reload never resets a counter.
 	results [numResults]atomic.Uint64
+	// refusals counts refusals by limit name (*atomic.Uint64); names come
+	// from configs, so they stay few.
+	refusals sync.Map
 
 	// wsLive is the number of WebSocket connections open through the zone.
 	wsLive atomic.Int64
@@ -55,17 +62,20 @@ type zone struct {
 	cancel context.CancelFunc
 }
 
-// Decision outcomes, as the result label of the requests metric.
+// Decision outcomes, as the result label of the requests metric: the
+// terminal states of a request.
 const (
-	resultAllowed    = iota // admitted
-	resultLimited           // refused for being over the limit
-	resultDryRun            // over the limit but let through by dry run
-	resultStoreError        // the store failed to decide
+	resultAllowed         = iota // admitted
+	resultLimited                // refused for being over a limit
+	resultDryRun                 // over a limit but let through by dry run
+	resultInvalid                // refused with 400: a limit that rejects a request without its key
+	resultDegradedAllowed        // admitted while the shared store failed (on_error allow, or local admitted)
+	resultDegradedDenied         // refused with 503 because the shared store failed (on_error deny)
 	numResults
 )
 
 // resultNames are the result label values, indexed by outcome.
-var resultNames = [numResults]string{"allowed", "limited", "dry_run", "store_error"}
+var resultNames = [numResults]string{"allowed", "limited", "dry_run", "invalid", "degraded_allowed", "degraded_denied"}
 
 // count records one decision with the given outcome.
 func (z *zone) count(result int) { z.results[result].Add(1) }
@@ -132,39 +142,98 @@ func newZone(rl *RateLimit) *zone {
 	return z
 }
 
-// hold records that rl uses the zone and applies its settings. A window
-// other than the running one takes effect now: rl's limit records when, so
-// that windows begun under a longer one end a new window from now at the
-// latest.
+// hold records that rl uses the zone and applies its settings. Each of its
+// limits gets the zone's slot for its name. A limit whose window differs
+// from the running one takes effect now: its Limit records when, so that
+// windows begun under a longer one end a new window from now at the latest.
 func (z *zone) hold(rl *RateLimit) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
+	var running *RateLimit
 	if n := len(z.holders); n > 0 {
-		running := z.holders[n-1].limit
+		running = z.holders[n-1]
+	}
+	for i := range rl.policies {
+		p := &rl.policies[i]
+		p.check.Slot = z.slotFor(p.check.Name, rl)
+		if running == nil {
+			continue
+		}
+		prev, ok := running.policy(p.check.Name)
+		if !ok {
+			continue
+		}
 		switch {
-		case running.Window == rl.limit.Window:
-			rl.limit.Since = running.Since
-		case rl.limit.Window > running.Window:
-			rl.limit.Since = time.Now()
+		case prev.Window == p.check.Limit.Window:
+			p.check.Limit.Since = prev.Since
+		case p.check.Limit.Window > prev.Window:
+			p.check.Limit.Since = time.Now()
 		default:
 			// A shorter window: every running window ends a new window
 			// from now at the latest. The memory store is cut at once;
 			// Redis, shared with other instances and with any "caddy
 			// validate" run, is cut when this handler serves its first
 			// request, so a config that never runs cuts nothing.
-			rl.limit.Since = time.Now()
-			cutoff := rl.limit.Since.Add(rl.limit.Window)
+			p.check.Limit.Since = time.Now()
+			cutoff := p.check.Limit.Since.Add(p.check.Limit.Window)
 			if z.mem != nil {
-				z.mem.CutWindows(cutoff)
+				z.mem.CutWindows(p.check.Slot, cutoff)
 			}
 			if z.redis != nil {
 				rl.cutRedis = new(sync.Once)
-				rl.cutoff = cutoff
+				rl.cuts = append(rl.cuts, windowCut{p.check, cutoff})
 			}
 		}
 	}
+	rl.limit = rl.policies[0].check.Limit
 	z.holders = append(z.holders, rl)
 	z.apply(rl)
+}
+
+// policy returns the Limit of rl's limit stored under name.
+func (rl *RateLimit) policy(name string) (Limit, bool) {
+	for _, p := range rl.policies {
+		if p.check.Name == name {
+			return p.check.Limit, true
+		}
+	}
+	return Limit{}, false
+}
+
+// slotFor returns the slot of the memory store that counts the limit
+// stored under name: the slot it had, or a free one, or one that no holder
+// (nor rl) uses any more. The first limit ("") is always slot 0. The caller
+// holds z.mu.
+func (z *zone) slotFor(name string, rl *RateLimit) int {
+	if name == "" {
+		return 0
+	}
+	for i := 1; i < MaxChecks; i++ {
+		if z.slots[i] == name {
+			return i
+		}
+	}
+	inUse := func(n string) bool {
+		for _, h := range append(slices.Clone(z.holders), rl) {
+			if _, ok := h.policy(n); ok {
+				return true
+			}
+		}
+		return false
+	}
+	for i := 1; i < MaxChecks; i++ {
+		if z.slots[i] == "" || !inUse(z.slots[i]) {
+			z.slots[i] = name
+			if z.mem != nil {
+				z.mem.SetSlotName(i, name)
+			}
+			if z.redis != nil {
+				z.redis.local.SetSlotName(i, name)
+			}
+			return i
+		}
+	}
+	return MaxChecks - 1 // not reached: a handler has at most MaxChecks limits
 }
 
 // release records that rl no longer uses the zone, and applies the settings
@@ -186,6 +255,11 @@ func (z *zone) apply(rl *RateLimit) {
 		z.mem.SetMaxTracked(rl.MaxTracked)
 	}
 	if z.redis != nil {
+		names := make([]string, 0, len(rl.policies)-1)
+		for _, p := range rl.policies[1:] {
+			names = append(names, p.check.Name)
+		}
+		z.redis.SetLimitNames(names)
 		z.redis.SetMaxTracked(rl.MaxTracked)
 		z.redis.SetTimeout(time.Duration(rl.Store.Timeout))
 		z.redis.SetOnError(rl.Store.OnError)
@@ -202,18 +276,29 @@ func (z *zone) Destruct() error {
 	return nil
 }
 
-// countVerdict records a decision the store reached: allowed or limited,
-// or store_error when the shared store failed and its on_error setting
-// decided.
-func (z *zone) countVerdict(v Verdict) {
+// countVerdict records a decision the store reached: allowed, or
+// degraded_allowed when the shared store failed and on_error admitted it;
+// limited, or dry_run when the handler only tries its limits.
+func (z *zone) countVerdict(allowed, storeError, dryRun bool) {
 	switch {
-	case v.StoreError:
-		z.count(resultStoreError)
-	case v.Allowed:
+	case allowed && storeError:
+		z.count(resultDegradedAllowed)
+	case allowed:
 		z.count(resultAllowed)
+	case dryRun:
+		z.count(resultDryRun)
 	default:
 		z.count(resultLimited)
 	}
+}
+
+// countRefusal records that the named limit refused a request.
+func (z *zone) countRefusal(limit string) {
+	c, ok := z.refusals.Load(limit)
+	if !ok {
+		c, _ = z.refusals.LoadOrStore(limit, new(atomic.Uint64))
+	}
+	c.(*atomic.Uint64).Add(1)
 }
 
 // poolKey is the zone's key in zones: its name, and for a Redis zone what

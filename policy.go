@@ -1,0 +1,278 @@
+package ratelimit
+
+import (
+	"fmt"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// What a limit does when its key resolves empty.
+const (
+	MissingIP     = "ip"     // count the request under the client IP (the default)
+	MissingReject = "reject" // refuse the request with 400: it lacks an identity
+)
+
+// Algorithms: how a window is counted.
+const (
+	AlgorithmFixed   = "fixed"   // fixed windows: up to 2 x max across a window edge
+	AlgorithmSliding = "sliding" // sliding-window counter: at most about max in any window
+)
+
+// LimitConfig is one of a handler's limits past its first (which Window, Max
+// and Key define). A request is admitted only when every limit of the
+// handler admits it, and a refused request is counted in none of them.
+type LimitConfig struct {
+	// Name names the limit in headers, the admin API, metrics and logs:
+	// letters, digits, _ and -, at most 32, unique in the handler and other
+	// than the zone's name (the name of the first limit).
+	Name string `json:"name"`
+
+	// Max is the number of requests admitted per key per window, from 1 to
+	// 1000000000.
+	Max int `json:"max"`
+
+	// Window is the length of the limit's window, whole seconds from 1s to
+	// 366 days.
+	Window caddy.Duration `json:"window"`
+
+	// Key is a placeholder that names what the limit counts, such as
+	// "{http.request.header.X-Tenant}". Default: the handler's key.
+	Key string `json:"key,omitempty"`
+
+	// Missing says what happens when Key resolves empty: "ip" counts the
+	// request under the client IP, "reject" refuses it with 400, and any
+	// other value is counted as that key (a canonical identity such as
+	// "anonymous"). Default: "ip".
+	Missing string `json:"missing,omitempty"`
+}
+
+// policy is one limit as a handler runs it.
+type policy struct {
+	name       string // as headers, the admin API and metrics show it
+	check      Check  // Slot, Name and Limit; Key is set per request
+	key        string // the key placeholder; "" for the client IP
+	keyText    string // what key resolves to when all its placeholders are empty
+	missing    string // MissingIP, MissingReject, or a value
+	missingKey string // the stored form of a missing value
+	quoted     string // the name as a quoted string, for the IETF headers
+	maxStr     string
+	errInvalid error
+}
+
+// newPolicy builds a limit as the handler runs it.
+func newPolicy(name, storeName string, lim Limit, key, missing string) policy {
+	p := policy{
+		name:    name,
+		check:   Check{Name: storeName, Limit: lim},
+		missing: missing,
+		quoted:  strconv.Quote(name),
+		maxStr:  strconv.Itoa(lim.Max),
+	}
+	if key != "" && key != "{client_ip}" && key != "{http.vars.client_ip}" {
+		p.key = key
+		p.keyText = caddy.NewEmptyReplacer().ReplaceAll(key, "")
+	}
+	switch missing {
+	case "", MissingIP:
+		p.missing = MissingIP
+	case MissingReject:
+		what := key
+		if p.key == "" {
+			what = "client IP"
+		}
+		p.errInvalid = fmt.Errorf("rate limit %q: the request has no %s to count it by", name, what)
+	default:
+		p.missingKey = customKey(missing)
+	}
+	return p
+}
+
+// item is the limit's RateLimit-Policy item.
+func (p *policy) item() string {
+	return fmt.Sprintf("%s;q=%d;w=%d", p.quoted, p.check.Limit.Max, int64(p.check.Limit.Window/time.Second))
+}
+
+// resolve returns the key the request is counted under in this limit, given
+// the client IP key ipKey. It returns "" when the request has no key (no
+// client IP), and errInvalid when the limit rejects a request without one.
+func (p *policy) resolve(repl *caddy.Replacer, ipKey string) (string, error) {
+	if p.key != "" {
+		// Unknown placeholders resolve empty; a key that resolves to its
+		// fixed text alone has no client in it and counts as missing.
+		if k := repl.ReplaceAll(p.key, ""); k != p.keyText {
+			return customKey(k), nil
+		}
+	} else if ipKey != "" {
+		return ipKey, nil
+	}
+	switch p.missing {
+	case MissingIP:
+		return ipKey, nil
+	case MissingReject:
+		return "", p.errInvalid
+	default:
+		return p.missingKey, nil
+	}
+}
+
+// checkLimits reports every invalid limit setting, naming the option and
+// its value.
+func (rl *RateLimit) checkLimits() []error {
+	var errs []error
+	if err := checkMissing("missing", rl.Missing); err != nil {
+		errs = append(errs, err)
+	}
+	if len(rl.Limits)+1 > MaxChecks {
+		errs = append(errs, fmt.Errorf("invalid limit: %d limits (the handler's first and %d more), at most %d", len(rl.Limits)+1, len(rl.Limits), MaxChecks))
+	}
+	seen := map[string]bool{}
+	for _, l := range rl.Limits {
+		what := fmt.Sprintf("limit %q", l.Name)
+		if !validLimitName(l.Name) {
+			errs = append(errs, fmt.Errorf("invalid limit name %q: use 1 to 32 letters, digits, _ and - only", l.Name))
+		}
+		zone := rl.Zone
+		if zone == "" {
+			zone = DefaultZone
+		}
+		if l.Name == zone {
+			errs = append(errs, fmt.Errorf("invalid limit name %q: the zone's name is its first limit's", l.Name))
+		}
+		if seen[l.Name] {
+			errs = append(errs, fmt.Errorf("invalid limit name %q: given twice", l.Name))
+		}
+		seen[l.Name] = true
+		if l.Max < 1 || l.Max > MaxRequests {
+			errs = append(errs, fmt.Errorf("invalid %s max %d: must be from 1 to %d", what, l.Max, MaxRequests))
+		}
+		if err := checkWindow(what+" window", time.Duration(l.Window)); err != nil {
+			errs = append(errs, err)
+		}
+		if l.Key != "" {
+			if n, err := countPlaceholders(l.Key); err != nil {
+				errs = append(errs, fmt.Errorf("invalid %s key %q: %v", what, l.Key, err))
+			} else if n == 0 {
+				errs = append(errs, fmt.Errorf("invalid %s key %q: must hold a placeholder", what, l.Key))
+			}
+		}
+		if err := checkMissing(what+" missing", l.Missing); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	switch rl.Algorithm {
+	case "", AlgorithmFixed:
+	case AlgorithmSliding:
+		if rl.Store.isRedis() {
+			errs = append(errs, fmt.Errorf("invalid algorithm %q: the redis store counts fixed windows only", rl.Algorithm))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("invalid algorithm %q: must be fixed or sliding", rl.Algorithm))
+	}
+	if rl.Status != 0 && (rl.Status < 400 || rl.Status > 599) {
+		errs = append(errs, fmt.Errorf("invalid status %d: must be from 400 to 599", rl.Status))
+	}
+	for _, e := range rl.Exempt {
+		if _, err := parsePrefix(e); err != nil {
+			errs = append(errs, fmt.Errorf("invalid exempt %q: %v", e, err))
+		}
+	}
+	return errs
+}
+
+// checkMissing checks a missing setting: ip, reject, or a canonical value,
+// which must be printable and short enough to be kept as it is.
+func checkMissing(what, v string) error {
+	switch {
+	case v == "", v == MissingIP, v == MissingReject:
+		return nil
+	case !printable(v) || len(v) > maxCustomKeyLen || strings.ContainsAny(v, "{}"):
+		return fmt.Errorf("invalid %s %q: a value must be printable text of at most %d bytes, without braces", what, v, maxCustomKeyLen)
+	}
+	return nil
+}
+
+// checkWindow checks a window length.
+func checkWindow(what string, w time.Duration) error {
+	switch {
+	case w < time.Second:
+		return fmt.Errorf("invalid %s %s: must be at least 1s (a bare number in JSON is nanoseconds; write \"60s\")", what, w)
+	case w > MaxWindow:
+		return fmt.Errorf("invalid %s %s: must be at most %s", what, w, MaxWindow)
+	case w%time.Second != 0:
+		return fmt.Errorf("invalid %s %s: must be a whole number of seconds", what, w)
+	}
+	return nil
+}
+
+// validLimitName reports whether name can name a limit: it appears in
+// headers, Redis keys, metric labels and admin URLs.
+func validLimitName(name string) bool {
+	if name == "" || len(name) > 32 {
+		return false
+	}
+	for _, c := range name {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// parsePrefix parses an exempt range: a CIDR, or a single address.
+func parsePrefix(s string) (netip.Prefix, error) {
+	if strings.Contains(s, "/") {
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			return netip.Prefix{}, err
+		}
+		return p.Masked(), nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	return netip.PrefixFrom(a, a.BitLen()), nil
+}
+
+// exempt reports whether the client IP is in an exempt range.
+func (rl *RateLimit) exempt(r *http.Request) bool {
+	ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
+	addr, err := netip.ParseAddr(ip)
+	if err != nil {
+		return false
+	}
+	addr = addr.Unmap().WithZone("")
+	for _, p := range rl.exemptRanges {
+		if p.Contains(addr) {
+			return true
+		}
+	}
+	return false
+}
+
+// constraining returns the index of the verdict that binds the request: of
+// the refusing limits, the one whose wait is longest; if none refuses, the
+// one with the least quota left (the first of equals).
+func constraining(out []Verdict) int {
+	best := 0
+	for i := 1; i < len(out); i++ {
+		a, b := out[i], out[best]
+		switch {
+		case !a.Allowed && b.Allowed:
+			best = i
+		case !a.Allowed && !b.Allowed && a.RetryAfter > b.RetryAfter:
+			best = i
+		case a.Allowed && b.Allowed && a.Remaining < b.Remaining:
+			best = i
+		}
+	}
+	return best
+}
