@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"math"
@@ -110,7 +111,7 @@ func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 
 // handleZone answers GET /rate_limit/<zone> with a page of the zone's keys.
 func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) error {
-	params, err := parseQuery(r.URL.RawQuery, "limited", "q", "offset", "limit")
+	params, err := parseQuery(r.URL.RawQuery, "limited", "q", "policy", "offset", "limit")
 	if err != nil {
 		return apiError(http.StatusBadRequest, err)
 	}
@@ -123,6 +124,10 @@ func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) 
 		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
 	}
 	list, err := z.list(r.Context(), q, time.Now())
+	var aerr caddy.APIError
+	if errors.As(err, &aerr) {
+		return err
+	}
 	if err != nil {
 		return apiError(http.StatusInternalServerError, fmt.Errorf("listing zone %q: %v", name, err))
 	}
@@ -132,7 +137,7 @@ func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) 
 // handleForget answers DELETE /rate_limit/<zone>?key=<key> by forgetting
 // the key.
 func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string) error {
-	params, err := parseQuery(r.URL.RawQuery, "key")
+	params, err := parseQuery(r.URL.RawQuery, "key", "policy")
 	if err != nil {
 		return apiError(http.StatusBadRequest, err)
 	}
@@ -144,7 +149,17 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string
 	if z == nil {
 		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
 	}
-	found, err := z.store.Forget(r.Context(), key)
+	var found bool
+	if name, ok := params["policy"]; ok {
+		i := slices.IndexFunc(z.limits(), func(l namedLimit) bool { return l.name == name })
+		if i < 0 {
+			return apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", name, z.name))
+		}
+		l := z.limits()[i]
+		found, err = z.store.ForgetCheck(r.Context(), Check{Slot: l.slot, Name: l.storeName, Key: key})
+	} else {
+		found, err = z.store.Forget(r.Context(), key)
+	}
 	if err != nil {
 		return apiError(http.StatusInternalServerError, fmt.Errorf("forgetting key %q in zone %q: %v", key, name, err))
 	}
@@ -172,8 +187,11 @@ type ZoneInfo struct {
 	// Store is the kind of store that keeps the zone's counters: "memory"
 	// or "redis".
 	Store string `json:"store"`
-	// Algorithm is how windows are counted: "fixed".
+	// Algorithm is how windows are counted: "fixed" or "sliding".
 	Algorithm string `json:"algorithm"`
+	// Policies are the zone's limits, the first (named after the zone, of
+	// WindowSeconds and Max) first.
+	Policies []PolicyInfo `json:"policies"`
 	// WindowSeconds is the length of a window, in seconds.
 	WindowSeconds int64 `json:"window_seconds"`
 	// Max is the number of requests admitted per key per window.
@@ -197,11 +215,24 @@ type ZoneInfo struct {
 	HashedKeys bool `json:"hashed_keys,omitempty"`
 }
 
+// PolicyInfo is one limit of a zone in the reply to GET /rate_limit/.
+type PolicyInfo struct {
+	// Name is the limit's name: the zone's for the first limit.
+	Name string `json:"name"`
+	// Max is the number of requests admitted per key per window.
+	Max int `json:"max"`
+	// WindowSeconds is the length of a window, in seconds.
+	WindowSeconds int64 `json:"window_seconds"`
+}
+
 // KeyInfo is one tracked key in the reply to GET /rate_limit/<zone>.
 type KeyInfo struct {
 	// Key is the client key: an IP address, an IPv6 prefix or the value of
 	// a custom key placeholder.
 	Key string `json:"key"`
+	// Policy is the limit the key is counted in: the zone's name for the
+	// handler's first limit, else the name given with limit.
+	Policy string `json:"policy"`
 	// Count is the number of requests admitted in the current window.
 	Count int `json:"count"`
 	// Refused is the number of requests refused in the current window.
@@ -240,6 +271,7 @@ type KeyList struct {
 
 // listQuery is a parsed key listing query.
 type listQuery struct {
+	policy      string
 	limitedOnly bool
 	prefix      string
 	offset      int
@@ -298,6 +330,8 @@ func parseListQuery(params map[string]string) (listQuery, error) {
 			}
 		case "q":
 			q.prefix = val
+		case "policy":
+			q.policy = val
 		case "offset":
 			q.offset, err = strconv.Atoi(val)
 			if err != nil || q.offset < 0 {
@@ -318,7 +352,19 @@ func parseListQuery(params map[string]string) (listQuery, error) {
 // only the best offset+limit matches are kept, so a page of a large zone
 // costs one pass and little memory.
 func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, error) {
-	lim, _ := z.settings()
+	limits := z.limits()
+	if q.policy != "" && !slices.ContainsFunc(limits, func(l namedLimit) bool { return l.name == q.policy }) {
+		return KeyList{}, apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", q.policy, z.name))
+	}
+	// limitOf returns the limit a listed key is counted in.
+	limitOf := func(storeName string) (namedLimit, bool) {
+		for _, l := range limits {
+			if l.storeName == storeName {
+				return l, true
+			}
+		}
+		return namedLimit{}, false
+	}
 	k := q.offset + q.limit
 	if k < q.offset { // overflow: keep everything
 		k = math.MaxInt
@@ -331,8 +377,12 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	total := 0
 	t := now.UnixNano()
 	err := z.store.Range(ctx, now, func(ks KeyState) bool {
+		l, ok := limitOf(ks.Name)
+		if !ok || (q.policy != "" && l.name != q.policy) {
+			return true // a limit the config no longer has, or filtered out
+		}
 		// A window a reload shortened is listed as it now ends.
-		reset := lim.end(ks.Reset.UnixNano(), t)
+		reset := l.limit.end(ks.Reset.UnixNano(), t)
 		if t >= reset {
 			return true
 		}
@@ -340,7 +390,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
 		}
-		if q.limitedOnly && ks.Count < lim.Max {
+		if q.limitedOnly && ks.Count < l.limit.Max {
 			return true
 		}
 		total++
@@ -353,26 +403,54 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	page := best.page(q.offset, q.limit)
 	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
+		l, _ := limitOf(ks.Name)
 		out.Keys = append(out.Keys, KeyInfo{
 			Key:       ks.Key,
+			Policy:    l.name,
 			Count:     ks.Count,
 			Refused:   ks.Refused,
-			Remaining: max(lim.Max-ks.Count, 0),
+			Remaining: max(l.limit.Max-ks.Count, 0),
 			Reset:     ceilSeconds(ks.Reset.UnixNano()),
-			Limited:   ks.Count >= lim.Max,
+			Limited:   ks.Count >= l.limit.Max,
 			Unblock:   unblockPath(z.name, ks.Key),
 		})
 	}
 	return out, nil
 }
 
+// namedLimit is one limit of a zone as the admin API shows it.
+type namedLimit struct {
+	name      string // as shown: the zone's name for the first limit
+	storeName string // as the store keys it: "" for the first limit
+	slot      int
+	limit     Limit
+}
+
+// limits returns the limits of the config that last named the zone, the
+// first first.
+func (z *zone) limits() []namedLimit {
+	h := z.newest()
+	if h == nil {
+		return []namedLimit{{name: z.name, limit: Limit{Window: DefaultWindow, Max: DefaultMax}}}
+	}
+	out := make([]namedLimit, len(h.policies))
+	for i, p := range h.policies {
+		out[i] = namedLimit{name: p.name, storeName: p.check.Name, slot: p.check.Slot, limit: p.check.Limit}
+	}
+	return out
+}
+
 // ranksBefore reports whether a is listed before b: more requests (admitted
-// and refused) first, then by key. Keys are unique, so the order is total.
+// and refused) first, then by key, then by limit. A key is unique in its
+// limit, so the order is total.
 func ranksBefore(a, b KeyState) bool {
 	if ta, tb := a.Count+a.Refused, b.Count+b.Refused; ta != tb {
 		return ta > tb
 	}
-	return a.Key < b.Key
+	if a.Key != b.Key {
+		return a.Key < b.Key
+	}
+	return a.Name < b.Name
 }
 
 // topKeys keeps the k best-ranked keys offered to it. It buffers offers and,
@@ -449,7 +527,10 @@ func compareRank(a, b KeyState) int {
 	if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
 		return c
 	}
-	return strings.Compare(a.Key, b.Key)
+	if c := strings.Compare(a.Key, b.Key); c != 0 {
+		return c
+	}
+	return strings.Compare(a.Name, b.Name)
 }
 
 // settings returns the limit and the enabled switch of the config that
@@ -464,12 +545,21 @@ func (z *zone) settings() (Limit, bool) {
 // info describes the zone for the zone list.
 func (z *zone) info(ctx context.Context) ZoneInfo {
 	lim, enabled := z.settings()
+	algorithm := AlgorithmFixed
+	if lim.Sliding {
+		algorithm = AlgorithmSliding
+	}
+	var policies []PolicyInfo
+	for _, l := range z.limits() {
+		policies = append(policies, PolicyInfo{Name: l.name, Max: l.limit.Max, WindowSeconds: int64(l.limit.Window / time.Second)})
+	}
 	zi := ZoneInfo{
 		Name:                 z.name,
 		Status:               "active",
 		Enabled:              enabled,
 		Store:                z.kind(),
-		Algorithm:            "fixed",
+		Algorithm:            algorithm,
+		Policies:             policies,
 		WindowSeconds:        int64(lim.Window / time.Second),
 		Max:                  lim.Max,
 		TrackedKeys:          z.trackedKeys(ctx),

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -80,14 +81,14 @@ func TestAdminListZones(t *testing.T) {
 	}
 	want := map[string]ZoneInfo{
 		"admin-zones-on": {Name: "admin-zones-on", Status: "active", Enabled: true, Store: "memory", Algorithm: "fixed",
-			WindowSeconds: 60, Max: 2, TrackedKeys: 2, RejectedTotal: 1},
+			WindowSeconds: 60, Max: 2, TrackedKeys: 2, RejectedTotal: 1, Policies: []PolicyInfo{{"admin-zones-on", 2, 60}}},
 		"admin-zones-off": {Name: "admin-zones-off", Status: "disabled", Enabled: false, Store: "memory", Algorithm: "fixed",
-			WindowSeconds: 60, Max: 7},
+			WindowSeconds: 60, Max: 7, Policies: []PolicyInfo{{"admin-zones-off", 7, 60}}},
 	}
 	for name, w := range want {
 		if g, ok := byName[name]; !ok {
 			t.Errorf("zone %q not listed in %+v", name, got)
-		} else if g != w {
+		} else if !reflect.DeepEqual(g, w) {
 			t.Errorf("zone %q = %+v, want %+v", name, g, w)
 		}
 	}

@@ -38,6 +38,15 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		enabled     true|false            # default true; false passes everything at no cost
 //		ws_max_connections_per_ip <n>     # default unlimited                        (alias: wsMaxConnectionsPerIp)
 //		ws_reject   close|status          # default close: 1013 Try Again Later; status: 429
+//		missing     ip|reject|<value>     # when key resolves empty; default ip
+//		limit <name> <max> <window> [{    # repeatable: more limits, all judged at once
+//			key     <placeholder>         # default: the handler's key
+//			missing ip|reject|<value>     # default ip
+//		}]
+//		algorithm   fixed|sliding         # default fixed; sliding: memory store only
+//		dry_run                           # decide, log and count, but refuse nothing
+//		exempt      <cidr>...             # never counted nor limited
+//		status      <code>                # refusal status; default 429
 //		store memory | store redis {      # default memory
 //			address    <host:port>...     # repeat for a Cluster; or: url redis://user:pass@host:6379/0
 //			url        <redis-url>
@@ -53,9 +62,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		}
 //	}
 //
-// Every option takes exactly one argument, except store, which takes a block
-// for redis, address, which takes one or more, and tls, which takes none.
-// windowS takes an integer of seconds only.
+// Every option takes exactly one argument and may be given once, except
+// store, which takes a block for redis; address and exempt, which take one
+// or more and may repeat; limit, which takes three and an optional block and
+// may repeat; and tls and dry_run, which take none. windowS takes an integer
+// of seconds only.
 func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 	if d.NextArg() {
@@ -64,13 +75,34 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	seen := options{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
-		if err := seen.first(d, opt); err != nil {
-			return err
+		if opt != "limit" && opt != "exempt" {
+			if err := seen.first(d, opt); err != nil {
+				return err
+			}
 		}
-		if opt == "store" {
+		switch opt {
+		case "store":
 			if err := rl.unmarshalStore(d); err != nil {
 				return err
 			}
+			continue
+		case "limit":
+			if err := rl.unmarshalLimit(d); err != nil {
+				return err
+			}
+			continue
+		case "dry_run":
+			if d.NextArg() {
+				return d.Errf("dry_run takes no argument, got %q", d.Val())
+			}
+			rl.DryRun = true
+			continue
+		case "exempt":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			rl.Exempt = append(rl.Exempt, args...)
 			continue
 		}
 		val, err := oneArg(d, opt)
@@ -115,6 +147,12 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.Enabled = &on
 		case "ws_max_connections_per_ip", "wsMaxConnectionsPerIp":
 			rl.WSMaxConnectionsPerIP, err = parseInt(d, opt, val, 1)
+		case "missing":
+			rl.Missing = val
+		case "algorithm":
+			rl.Algorithm = val
+		case "status":
+			rl.Status, err = parseInt(d, opt, val, 1)
 		case "ws_reject":
 			switch val {
 			case WSRejectClose, WSRejectStatus:
@@ -135,6 +173,45 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if err := rl.check(); err != nil {
 		return d.Errf("%v", err)
 	}
+	return nil
+}
+
+// unmarshalLimit parses "limit <name> <max> <window> [{ key …; missing … }]";
+// d is at the limit token. The values are checked with the rest of the
+// handler's settings, in one place.
+func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
+	args := d.RemainingArgs()
+	if len(args) != 3 {
+		return d.Errf("limit takes a name, a max and a window (limit burst 20 1s), got %d arguments", len(args))
+	}
+	l := LimitConfig{Name: args[0]}
+	var err error
+	if l.Max, err = parseInt(d, "limit "+args[0]+" max", args[1], 1); err != nil {
+		return err
+	}
+	if l.Window, err = parseWindow(d, "limit "+args[0]+" window", args[2], true); err != nil {
+		return err
+	}
+	seen := options{}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		if err := seen.first(d, opt); err != nil {
+			return err
+		}
+		val, err := oneArg(d, opt)
+		if err != nil {
+			return err
+		}
+		switch opt {
+		case "key":
+			l.Key = val
+		case "missing":
+			l.Missing = val
+		default:
+			return d.Errf("unrecognized limit option %q: want key or missing", opt)
+		}
+	}
+	rl.Limits = append(rl.Limits, l)
 	return nil
 }
 

@@ -188,7 +188,7 @@ func TestRedisClientGoneNotStoreError(t *testing.T) {
 				t.Error("the next handler ran for a request the store did not decide")
 			}
 			if n := rl.zone.results[resultDegradedDenied].Load() + rl.zone.results[resultDegradedAllowed].Load(); n != 0 {
-				t.Errorf("store_error count = %d, want 0", n)
+				t.Errorf("degraded count = %d, want 0", n)
 			}
 			if ra := w.Header().Get("Retry-After"); ra != "" {
 				t.Errorf("Retry-After = %q for a client that is gone", ra)

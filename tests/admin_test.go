@@ -53,6 +53,7 @@ func adminJSON(t *testing.T, path string, v any) {
 // alters the JSON fails here.
 type keyInfo struct {
 	Key       string `json:"key"`
+	Policy    string `json:"policy"`
 	Count     int    `json:"count"`
 	Refused   int    `json:"refused"`
 	Remaining int    `json:"remaining"`

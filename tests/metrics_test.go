@@ -55,6 +55,11 @@ func series(name, zone, result string) string {
 	return fmt.Sprintf("caddy_rate_limit_%s{zone=%q}", name, zone)
 }
 
+// refusalSeries names the refusals counter of one limit of a zone.
+func refusalSeries(zone, limit string) string {
+	return fmt.Sprintf("caddy_rate_limit_refusals_total{limit=%q,zone=%q}", limit, zone)
+}
+
 // The counters on Caddy's /metrics survive a config reload: the reloaded
 // config reports the counts from before it, adds to them, and no series is
 // registered twice.
@@ -73,13 +78,16 @@ func TestMetricsAcrossReload(t *testing.T) {
 		s.get("/", "X-Forwarded-For", ip)
 	}
 	want := map[string]float64{
-		series("requests_total", "e2e-metrics", "allowed"):     3,
-		series("requests_total", "e2e-metrics", "limited"):     1,
-		series("requests_total", "e2e-metrics", "dry_run"):     0,
-		series("requests_total", "e2e-metrics", "store_error"): 0,
-		series("tracked_keys", "e2e-metrics", ""):              2,
-		series("evictions_total", "e2e-metrics", ""):           0,
-		series("websocket_connections", "e2e-metrics", ""):     0,
+		series("requests_total", "e2e-metrics", "allowed"):          3,
+		series("requests_total", "e2e-metrics", "limited"):          1,
+		series("requests_total", "e2e-metrics", "dry_run"):          0,
+		series("requests_total", "e2e-metrics", "invalid"):          0,
+		series("requests_total", "e2e-metrics", "degraded_allowed"): 0,
+		series("requests_total", "e2e-metrics", "degraded_denied"):  0,
+		refusalSeries("e2e-metrics", "e2e-metrics"):                 1,
+		series("tracked_keys", "e2e-metrics", ""):                   2,
+		series("evictions_total", "e2e-metrics", ""):                0,
+		series("websocket_connections", "e2e-metrics", ""):          0,
 	}
 	check := func(when string) {
 		t.Helper()
@@ -104,6 +112,7 @@ func TestMetricsAcrossReload(t *testing.T) {
 	wantStatus(t, resp, http.StatusTooManyRequests)
 	want[series("requests_total", "e2e-metrics", "allowed")] = 4
 	want[series("requests_total", "e2e-metrics", "limited")] = 2
+	want[refusalSeries("e2e-metrics", "e2e-metrics")] = 2
 	check("after reload and more traffic")
 }
 

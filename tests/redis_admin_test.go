@@ -182,9 +182,9 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 	}
 	// 203.0.113.21 and .22 both have 3 admitted, so the refusals rank them.
 	wantKeys := []keyInfo{
-		{Key: h21, Count: 3, Refused: 2, Remaining: 0, Limited: true, Unblock: "/rate_limit/" + zone + "?key=" + h21},
-		{Key: h22, Count: 3, Refused: 1, Remaining: 0, Limited: true, Unblock: "/rate_limit/" + zone + "?key=" + h22},
-		{Key: h23, Count: 1, Refused: 0, Remaining: 2, Limited: false, Unblock: "/rate_limit/" + zone + "?key=" + h23},
+		{Key: h21, Policy: zone, Count: 3, Refused: 2, Remaining: 0, Limited: true, Unblock: "/rate_limit/" + zone + "?key=" + h21},
+		{Key: h22, Policy: zone, Count: 3, Refused: 1, Remaining: 0, Limited: true, Unblock: "/rate_limit/" + zone + "?key=" + h22},
+		{Key: h23, Policy: zone, Count: 1, Refused: 0, Remaining: 2, Limited: false, Unblock: "/rate_limit/" + zone + "?key=" + h23},
 	}
 	for i, w := range wantKeys {
 		k := got.Keys[i]
@@ -233,13 +233,14 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 
 // The store health gauge on Caddy's /metrics follows Redis: 1 while it is
 // up, 0 once the zone is DEGRADED after Redis died (with the requests decided
-// without it counted as store_error), 1 again soon after Redis is back.
+// without it, by the local fallback, counted as degraded_allowed), 1 again
+// soon after Redis is back.
 func TestRedisMetricsStoreHealth(t *testing.T) {
 	srv := redistest.Start(t)
 	const zone = "e2e-redis-metrics"
 	s := startCaddy(t, trustLoopback, redisZoneSite(zone, srv.Addr, "timeout 200ms"))
 	healthy := series("store_healthy", zone, "")
-	storeErrors := series("requests_total", zone, "store_error")
+	storeErrors := series("requests_total", zone, "degraded_allowed")
 	allowed := series("requests_total", zone, "allowed")
 
 	for range 2 {
@@ -248,7 +249,7 @@ func TestRedisMetricsStoreHealth(t *testing.T) {
 	}
 	m := scrape(t, zone)
 	if m[healthy] != 1 || m[allowed] != 2 || m[storeErrors] != 0 {
-		t.Fatalf("with redis up: healthy %v allowed %v store_error %v, want 1, 2, 0 (%v)", m[healthy], m[allowed], m[storeErrors], m)
+		t.Fatalf("with redis up: healthy %v allowed %v degraded_allowed %v, want 1, 2, 0 (%v)", m[healthy], m[allowed], m[storeErrors], m)
 	}
 
 	srv.Stop()
@@ -277,7 +278,7 @@ func TestRedisMetricsStoreHealth(t *testing.T) {
 		t.Errorf("redis down, zone DEGRADED: store_healthy = %v, want 0", m[healthy])
 	}
 	if m[storeErrors] != float64(sent+2) || m[allowed] != 2 {
-		t.Errorf("redis down: store_error %v allowed %v, want %d and 2", m[storeErrors], m[allowed], sent+2)
+		t.Errorf("redis down: degraded_allowed %v allowed %v, want %d and 2", m[storeErrors], m[allowed], sent+2)
 	}
 
 	srv.Restart()
@@ -302,6 +303,6 @@ func TestRedisMetricsStoreHealth(t *testing.T) {
 	wantStatus(t, resp, http.StatusOK)
 	m = scrape(t, zone)
 	if m[allowed] != 3 || m[storeErrors] != float64(sent+2) {
-		t.Errorf("redis back: allowed %v store_error %v, want 3 and %d", m[allowed], m[storeErrors], sent+2)
+		t.Errorf("redis back: allowed %v degraded_allowed %v, want 3 and %d", m[allowed], m[storeErrors], sent+2)
 	}
 }
