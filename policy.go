@@ -168,9 +168,6 @@ func (rl *RateLimit) checkLimits() []error {
 	switch rl.Algorithm {
 	case "", AlgorithmFixed:
 	case AlgorithmSliding:
-		if rl.Store.isRedis() {
-			errs = append(errs, fmt.Errorf("invalid algorithm %q: the redis store counts fixed windows only", rl.Algorithm))
-		}
 	default:
 		errs = append(errs, fmt.Errorf("invalid algorithm %q: must be fixed or sliding", rl.Algorithm))
 	}

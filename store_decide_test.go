@@ -299,3 +299,34 @@ func BenchmarkMemoryDecide(b *testing.B) {
 		})
 	}
 }
+
+// The Redis sliding window carries the last window's count into the next,
+// as the memory one does: max just before the edge refuses just after it,
+// and the weight fades until a request fits again, when the refusal said.
+func TestRedisSlidingWindow(t *testing.T) {
+	srv := redistest.Start(t)
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	lim := Limit{Window: 2 * time.Second, Max: 3, Sliding: true}
+	start := time.Now()
+	for i := range 3 {
+		if v, err := s.Hit(bg, "k", time.Now(), lim); err != nil || !v.Allowed || v.Remaining != 2-i {
+			t.Fatalf("hit %d: %+v, %v", i+1, v, err)
+		}
+	}
+	if v, _ := s.Hit(bg, "k", time.Now(), lim); v.Allowed {
+		t.Fatal("4th hit admitted in the first window")
+	}
+	srv.Sleep(time.Until(start.Add(2300 * time.Millisecond)))
+	// 0.3 s into the next window the previous 3 weigh about 2.55: full.
+	v, err := s.Hit(bg, "k", time.Now(), lim)
+	if err != nil || v.Allowed || v.RetryAfter <= 0 || v.RetryAfter > 2*time.Second {
+		t.Fatalf("just after the edge: %+v, %v; want refused with a wait under a window", v, err)
+	}
+	srv.Sleep(time.Until(time.Now().Add(v.RetryAfter + 50*time.Millisecond)))
+	if v, err := s.Hit(bg, "k", time.Now(), lim); err != nil || !v.Allowed {
+		t.Fatalf("after the wait it gave: %+v, %v; want admitted", v, err)
+	}
+	if v, _ := s.Hit(bg, "k", time.Now(), lim); v.Allowed {
+		t.Fatalf("a second request right after: %+v, want refused (the previous window still weighs)", v)
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -247,7 +248,10 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	s.succeeded()
 	for i, c := range checks {
 		if !out[i].Allowed {
-			s.refused.put(cacheKey(c.Name, c.Key), out[i].Reset.UnixNano(), c.Limit.Max, t)
+			// Cached until a request fits again: the window's end, or
+			// for a sliding window when the previous count has faded
+			// enough.
+			s.refused.put(cacheKey(c.Name, c.Key), t+int64(out[i].RetryAfter), c.Limit.Max, t)
 		}
 	}
 	return nil
@@ -275,19 +279,19 @@ func splitCacheKey(k string) (name, key string) {
 func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
-	var keys [2 * MaxChecks]string
+	var keys [3 * MaxChecks]string
 	for i, c := range checks {
 		base := s.base(c.Name, s.tag(c.Key))
-		keys[2*i], keys[2*i+1] = base+"c", base+"r"
+		keys[3*i], keys[3*i+1], keys[3*i+2] = base+"c", base+"r", base+"p"
 	}
 	_, cluster := s.client.(*redis.ClusterClient)
 	if !cluster || len(checks) == 1 {
-		return s.runDecision(ctx, checks, keys[:2*len(checks)], now, out)
+		return s.runDecision(ctx, checks, keys[:3*len(checks)], now, out)
 	}
 	// Group the checks by slot, in the order their slots first appear.
 	var slotOf [MaxChecks]uint16
 	for i := range checks {
-		slotOf[i] = clusterSlot(keys[2*i])
+		slotOf[i] = clusterSlot(keys[3*i])
 	}
 	done := make([]bool, len(checks))
 	var reserved [][]string // count keys of the slots that admitted
@@ -304,10 +308,10 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 			}
 		}
 		group := make([]Check, len(idx))
-		gkeys := make([]string, 0, 2*len(idx))
+		gkeys := make([]string, 0, 3*len(idx))
 		for k, j := range idx {
 			group[k] = checks[j]
-			gkeys = append(gkeys, keys[2*j], keys[2*j+1])
+			gkeys = append(gkeys, keys[3*j], keys[3*j+1], keys[3*j+2])
 		}
 		gout := make([]Verdict, len(idx))
 		if err := s.runDecision(ctx, group, gkeys, now, gout); err != nil {
@@ -328,7 +332,7 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 		}
 		counted := make([]string, 0, len(idx))
 		for _, j := range idx {
-			counted = append(counted, keys[2*j])
+			counted = append(counted, keys[3*j])
 		}
 		reserved = append(reserved, counted)
 	}
@@ -354,30 +358,43 @@ func (s *RedisStore) release(ctx context.Context, groups [][]string) {
 	}
 }
 
-// runDecision runs the decision script once for checks, whose keys (count
-// and refused key of each, in order) share one slot.
+// runDecision runs the decision script once for checks, whose keys (count,
+// refused and previous count key of each, in order) share one slot.
 func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []string, now time.Time, out []Verdict) error {
-	var args [3 * MaxChecks]any
+	var args [4 * MaxChecks]any
 	for i, c := range checks {
-		args[3*i], args[3*i+1], args[3*i+2] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds()
+		sliding := 0
+		if c.Limit.Sliding {
+			sliding = 1
+		}
+		args[4*i], args[4*i+1], args[4*i+2], args[4*i+3] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds(), sliding
 	}
-	res, err := hitScript.Run(ctx, s.client, keys, args[:3*len(checks)]...).Int64Slice()
+	res, err := hitScript.Run(ctx, s.client, keys, args[:4*len(checks)]...).Int64Slice()
 	if err != nil {
 		return err
 	}
-	if len(res) != 4*len(checks) {
-		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 4*len(checks))
+	if len(res) != 5*len(checks) {
+		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 5*len(checks))
 	}
+	t := now.UnixNano()
 	for i, c := range checks {
-		r := res[4*i : 4*i+4]
+		r := res[5*i : 5*i+5]
+		left := time.Duration(r[2]) * time.Millisecond
 		v := Verdict{
 			Allowed:   r[0] == 1,
 			Limit:     c.Limit.Max,
 			Remaining: int(max(int64(c.Limit.Max)-r[1], 0)),
-			Reset:     now.Add(time.Duration(r[2]) * time.Millisecond),
+			Reset:     now.Add(left),
+		}
+		reset := t + int64(left)
+		if c.Limit.Sliding {
+			v.Remaining = int(max(float64(c.Limit.Max)-math.Ceil(c.Limit.sliding(r[4], r[1], reset, t)), 0))
 		}
 		if !v.Allowed {
-			v.RetryAfter = time.Duration(r[2]) * time.Millisecond
+			v.RetryAfter = left
+			if c.Limit.Sliding {
+				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t), time.Millisecond)
+			}
 			v.FirstRefusal = r[3] == 1
 		}
 		out[i] = v
@@ -573,7 +590,7 @@ const probeTag = "__probe"
 // would cycle between degraded and recovering.
 func (s *RedisStore) probeOnce(ctx context.Context) error {
 	base := s.base("", probeTag)
-	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r"}, 1<<30, 1000, 1000).Err()
+	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r", base + "p"}, 1<<30, 1000, 1000, 0).Err()
 }
 
 // tag returns the part of the Redis keys that names the client: the key
@@ -851,8 +868,8 @@ func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 	found := false
 	for _, tag := range tags {
 		base := s.base(c.Name, tag)
-		// One DEL per tag: both keys share the tag's slot.
-		n, err := s.client.Del(ctx, base+"c", base+"r").Result()
+		// One DEL per tag: its keys share the tag's slot.
+		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p").Result()
 		if err != nil {
 			return found, fmt.Errorf("deleting redis key %q: %w", base+"c", err)
 		}

@@ -179,7 +179,10 @@ func (z *zone) hold(rl *RateLimit) {
 			if z.mem != nil {
 				z.mem.CutWindows(p.check.Slot, cutoff)
 			}
-			if z.redis != nil {
+			if z.redis != nil && !p.check.Limit.Sliding {
+				// A sliding window's keys outlive its end by a window
+				// (store_redis.lua): a shorter one applies from each
+				// key's next window.
 				rl.cutRedis = new(sync.Once)
 				rl.cuts = append(rl.cuts, windowCut{p.check, cutoff})
 			}
