@@ -18,7 +18,7 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "zones | top <zone> [--limited] [--prefix <p>] [-n <n>] | unblock <zone> <key>",
+		Usage: "zones | top <zone> [--limited] [--prefix <p>] [--policy <name>] [-n <n>] | unblock <zone> <key>",
 		Short: "Lists rate limit zones and offenders, and unblocks clients",
 		Long: `
 Talks to the admin API of a running Caddy (the rate_limit module's endpoints
@@ -26,7 +26,7 @@ under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
 
   caddy rate-limit zones                  every zone: settings, keys, refusals
   caddy rate-limit top <zone>             the zone's busiest keys
-        [--limited] [--prefix <p>] [-n <n>]
+        [--limited] [--prefix <p>] [--policy <name>] [-n <n>]
   caddy rate-limit unblock <zone> <key>   forget the key now
 
 The admin endpoint is found as 'caddy reload' finds it: --address if given,
@@ -45,6 +45,7 @@ else the admin address of the --config file, else ` + "localhost:2019" + `.`,
 			}
 			top.Flags().Bool("limited", false, "Only keys over their limit now")
 			top.Flags().String("prefix", "", "Only keys starting with this prefix")
+			top.Flags().String("policy", "", "Only keys counted in this limit")
 			top.Flags().IntP("n", "n", 20, fmt.Sprintf("How many keys to list, 1 to %d", MaxListLimit))
 			cmd.AddCommand(
 				&cobra.Command{Use: "zones", Short: "Lists every zone", Args: cobra.NoArgs, RunE: cmdZones},
@@ -118,6 +119,9 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	if prefix, _ := cmd.Flags().GetString("prefix"); prefix != "" {
 		q.Set("q", prefix)
 	}
+	if policy, _ := cmd.Flags().GetString("policy"); policy != "" {
+		q.Set("policy", policy)
+	}
 	body, err := adminCall(cmd, http.MethodGet, adminPrefix+url.PathEscape(args[0])+"?"+q.Encode())
 	if err != nil || printJSON(cmd, body) {
 		return err
@@ -128,13 +132,13 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	}
 	out := cmd.OutOrStdout()
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "KEY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
+	fmt.Fprintln(tw, "KEY\tPOLICY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
 	for _, k := range list.Keys {
 		limited := "no"
 		if k.Limited {
 			limited = "yes"
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Count, k.Refused, k.Remaining,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Policy, k.Count, k.Refused, k.Remaining,
 			max(time.Until(time.Unix(k.Reset, 0)).Truncate(time.Second), 0), limited)
 	}
 	if err := tw.Flush(); err != nil {

@@ -73,10 +73,10 @@ func TestCommandLine(t *testing.T) {
 	if err != nil {
 		t.Fatalf("top: %v\n%s", err, out)
 	}
-	want := regexp.MustCompile(`(?s)^KEY +COUNT +REFUSED +REMAINING +RESETS IN +LIMITED\n` +
-		`203\.0\.113\.1 +3 +2 +0 +[0-9hms]+ +yes\n` +
-		`203\.0\.113\.2 +3 +1 +0 +[0-9hms]+ +yes\n` +
-		`198\.51\.100\.9 +1 +0 +2 +[0-9hms]+ +no\n` +
+	want := regexp.MustCompile(`(?s)^KEY +POLICY +COUNT +REFUSED +REMAINING +RESETS IN +LIMITED\n` +
+		`203\.0\.113\.1 +e2e-cli +3 +2 +0 +[0-9hms]+ +yes\n` +
+		`203\.0\.113\.2 +e2e-cli +3 +1 +0 +[0-9hms]+ +yes\n` +
+		`198\.51\.100\.9 +e2e-cli +1 +0 +2 +[0-9hms]+ +no\n` +
 		`3 of 3 keys in zone e2e-cli\n$`)
 	if !want.MatchString(out) {
 		t.Errorf("top printed:\n%s", out)

@@ -157,8 +157,8 @@ func TestDashboard(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(cells) < 6 || cells[0] != "key:"+xssKey || cells[1] != "2" || cells[2] != "3" || cells[5] != "yes" {
-		t.Errorf("offender row = %q, want the key as text, 2 admitted, 3 refused, limited", cells)
+	if len(cells) < 7 || cells[0] != "key:"+xssKey || cells[1] != "e2e-ui" || cells[2] != "2" || cells[3] != "3" || cells[6] != "yes" {
+		t.Errorf("offender row = %q, want the key as text, its limit, 2 admitted, 3 refused, limited", cells)
 	}
 	pwned, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!!window.pwned`))
 	if err != nil {

@@ -99,7 +99,7 @@
 				el('td', '', z.store + (z.hashed_keys ? ', hashed keys' : '')),
 				el('td', '', z.health || '—'),
 				el('td', 'num', seconds(z.window_seconds)),
-				el('td', 'num', z.max),
+				el('td', 'num', (z.policies || []).map((p) => p.max + '/' + seconds(p.window_seconds)).join(', ') || z.max),
 				el('td', 'num', z.tracked_keys),
 				el('td', 'num', perSec.toFixed(1)),
 				el('td', '', sparkline(z.name)),
@@ -122,8 +122,10 @@
 			const unblock = el('button', 'unblock', 'Unblock');
 			unblock.type = 'button';
 			unblock.addEventListener('click', () => forget(list.zone, k.key, unblock));
+			unblock.title = 'Forget this key in every limit of the zone';
 			const row = el('tr', k.limited ? 'limited' : '',
 				el('td', 'key', k.key),
+				el('td', '', k.policy || ''),
 				el('td', 'num', k.count),
 				el('td', 'num', k.refused),
 				el('td', 'num', k.remaining),
