@@ -215,28 +215,31 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 			out[i].RetryAfter = e.wait(t, c.Limit)
 		}
 		out[i].Remaining = e.remaining(t, c.Limit)
-		s.store(idx[i], c, e, found[i])
+		if found[i] {
+			// Written back before any insertion below, which is what may
+			// evict: the key is still in its map.
+			s.shards[idx[i]].entries[c.Slot][c.Key] = *e
+		}
+	}
+	for i, c := range checks {
+		// A new key that counted nothing (another limit refused the
+		// request) is not tracked: it would only take room.
+		if !found[i] && (es[i].count > 0 || es[i].refused > 0) {
+			s.insert(idx[i], c, &es[i])
+		}
 	}
 	s.unlockShards(locks[:nl])
 	return nil
 }
 
-// store writes e back as key's entry in shard idx; new is false for a key
-// that was tracked when the decision began. The caller holds the lock.
-func (s *MemoryStore) store(idx uint64, c Check, e *memEntry, tracked bool) {
+// insert adds e as key's entry in shard idx, evicting to make room when the
+// store is full. The caller holds the lock.
+func (s *MemoryStore) insert(idx uint64, c Check, e *memEntry) {
 	sh := &s.shards[idx]
 	m := sh.entries[c.Slot]
 	if m == nil {
 		m = make(map[string]memEntry)
 		sh.entries[c.Slot] = m
-	}
-	if tracked {
-		if _, ok := m[c.Key]; ok {
-			m[c.Key] = *e
-			return
-		}
-		// Evicted to make room for another key of this decision: it
-		// goes back in as a new key.
 	}
 	key := strings.Clone(c.Key) // never pin the request's memory in the map
 	for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
