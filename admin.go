@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 func init() {
@@ -156,7 +158,7 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string
 			return apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", name, z.name))
 		}
 		l := z.limits()[i]
-		found, err = z.store.ForgetCheck(r.Context(), Check{Slot: l.slot, Name: l.storeName, Key: key})
+		found, err = z.store.ForgetCheck(r.Context(), limiter.Check{Slot: l.slot, Name: l.storeName, Key: key})
 	} else {
 		found, err = z.store.Forget(r.Context(), key)
 	}
@@ -373,10 +375,10 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	if k < size/2 {
 		size = 2 * k
 	}
-	best := topKeys{k: k, items: make([]KeyState, 0, size)}
+	best := topKeys{k: k, items: make([]limiter.KeyState, 0, size)}
 	total := 0
 	t := now.UnixNano()
-	err := z.store.Range(ctx, now, func(ks KeyState) bool {
+	err := z.store.Range(ctx, now, func(ks limiter.KeyState) bool {
 		l, ok := limitOf(ks.Name)
 		if !ok || (q.policy != "" && l.name != q.policy) {
 			return true // a limit the config no longer has, or filtered out
@@ -388,7 +390,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 			reset -= int64(l.limit.Window)
 		}
 		// A window a reload shortened is listed as it now ends.
-		reset = l.limit.end(reset, t)
+		reset = l.limit.End(reset, t)
 		if t >= reset {
 			return true
 		}
@@ -429,7 +431,7 @@ type namedLimit struct {
 	name      string // as shown: the zone's name for the first limit
 	storeName string // as the store keys it: "" for the first limit
 	slot      int
-	limit     Limit
+	limit     limiter.Limit
 }
 
 // limits returns the limits of the config that last named the zone, the
@@ -437,7 +439,7 @@ type namedLimit struct {
 func (z *zone) limits() []namedLimit {
 	h := z.newest()
 	if h == nil {
-		return []namedLimit{{name: z.name, limit: Limit{Window: DefaultWindow, Max: DefaultMax}}}
+		return []namedLimit{{name: z.name, limit: limiter.Limit{Window: DefaultWindow, Max: DefaultMax}}}
 	}
 	out := make([]namedLimit, len(h.policies))
 	for i, p := range h.policies {
@@ -449,7 +451,7 @@ func (z *zone) limits() []namedLimit {
 // ranksBefore reports whether a is listed before b: more requests (admitted
 // and refused) first, then by key, then by limit. A key is unique in its
 // limit, so the order is total.
-func ranksBefore(a, b KeyState) bool {
+func ranksBefore(a, b limiter.KeyState) bool {
 	if ta, tb := a.Count+a.Refused, b.Count+b.Refused; ta != tb {
 		return ta > tb
 	}
@@ -466,13 +468,13 @@ func ranksBefore(a, b KeyState) bool {
 // number of keys on average, whatever the page, and O(k) memory.
 type topKeys struct {
 	k       int
-	items   []KeyState
-	cutoff  KeyState // the k-th best after the last trim
-	trimmed bool     // cutoff is set
+	items   []limiter.KeyState
+	cutoff  limiter.KeyState // the k-th best after the last trim
+	trimmed bool             // cutoff is set
 }
 
 // offer considers ks for the top k.
-func (t *topKeys) offer(ks KeyState) {
+func (t *topKeys) offer(ks limiter.KeyState) {
 	if t.k <= 0 || t.trimmed && !ranksBefore(ks, t.cutoff) {
 		return
 	}
@@ -486,7 +488,7 @@ func (t *topKeys) offer(ks KeyState) {
 }
 
 // page returns the keys ranked offset to offset+limit-1, best first.
-func (t *topKeys) page(offset, limit int) []KeyState {
+func (t *topKeys) page(offset, limit int) []limiter.KeyState {
 	if offset >= len(t.items) {
 		return nil
 	}
@@ -504,7 +506,7 @@ func (t *topKeys) page(offset, limit int) []KeyState {
 
 // selectRank reorders s so that s[n] holds the key that ranks n-th (from 0),
 // with every key that ranks before it in s[:n] and every other after it.
-func selectRank(s []KeyState, n int) {
+func selectRank(s []limiter.KeyState, n int) {
 	lo, hi := 0, len(s)-1
 	for lo < hi {
 		p := lo + rand.IntN(hi-lo+1)
@@ -529,7 +531,7 @@ func selectRank(s []KeyState, n int) {
 }
 
 // compareRank orders keys as the listing does, for slices.SortFunc.
-func compareRank(a, b KeyState) int {
+func compareRank(a, b limiter.KeyState) int {
 	if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
 		return c
 	}
@@ -541,11 +543,11 @@ func compareRank(a, b KeyState) int {
 
 // settings returns the limit and the enabled switch of the config that
 // last named the zone.
-func (z *zone) settings() (Limit, bool) {
+func (z *zone) settings() (limiter.Limit, bool) {
 	if h := z.newest(); h != nil {
 		return h.limit, h.isEnabled()
 	}
-	return Limit{Window: DefaultWindow, Max: DefaultMax}, true
+	return limiter.Limit{Window: DefaultWindow, Max: DefaultMax}, true
 }
 
 // info describes the zone for the zone list.
@@ -590,13 +592,13 @@ const trackedKeysTimeout = time.Second
 // requests or metrics. While the store is degraded it is not asked, and if
 // it fails the local count stands in: the fallback is what decides then.
 func (z *zone) trackedKeys(ctx context.Context) int {
-	if z.redis == nil || z.redis.Health() == HealthDegraded {
+	if z.redis == nil || z.redis.Health() == limiter.HealthDegraded {
 		return z.store.Len()
 	}
 	ctx, cancel := context.WithTimeout(ctx, trackedKeysTimeout)
 	defer cancel()
 	n := 0
-	if err := z.redis.Range(ctx, time.Now(), func(KeyState) bool { n++; return true }); err != nil {
+	if err := z.redis.Range(ctx, time.Now(), func(limiter.KeyState) bool { n++; return true }); err != nil {
 		return z.store.Len()
 	}
 	return n

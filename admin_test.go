@@ -15,6 +15,8 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // adminDo sends one request to the admin API's handler and returns the
@@ -273,9 +275,9 @@ func TestTopKeysMatchesFullSort(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	for trial := range 1000 {
 		n := rng.IntN(500)
-		all := make([]KeyState, n)
+		all := make([]limiter.KeyState, n)
 		for i := range all {
-			all[i] = KeyState{Key: fmt.Sprintf("k%d", rng.IntN(1_000_000)*1000+i), Count: rng.IntN(5), Refused: rng.IntN(3)}
+			all[i] = limiter.KeyState{Key: fmt.Sprintf("k%d", rng.IntN(1_000_000)*1000+i), Count: rng.IntN(5), Refused: rng.IntN(3)}
 		}
 		offset, limit := rng.IntN(n+10), 1+rng.IntN(n+10)
 		top := topKeys{k: offset + limit}
@@ -283,7 +285,7 @@ func TestTopKeysMatchesFullSort(t *testing.T) {
 			top.offer(ks)
 		}
 		want := slices.Clone(all)
-		slices.SortFunc(want, func(a, b KeyState) int {
+		slices.SortFunc(want, func(a, b limiter.KeyState) int {
 			if c := cmp.Compare(b.Count+b.Refused, a.Count+a.Refused); c != 0 {
 				return c
 			}

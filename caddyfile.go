@@ -10,6 +10,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 func init() {
@@ -283,7 +285,7 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 			sc.Timeout, err = parseDuration(d, opt, val)
 		case "on_error":
 			switch val {
-			case OnErrorLocal, OnErrorAllow, OnErrorDeny:
+			case limiter.OnErrorLocal, limiter.OnErrorAllow, limiter.OnErrorDeny:
 				sc.OnError = val
 			default:
 				err = d.Errf("invalid on_error %q: must be local, allow or deny", val)

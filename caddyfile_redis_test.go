@@ -9,6 +9,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // The store subdirective parses to the store JSON, and every mistake is an
@@ -106,7 +108,7 @@ func TestStoreConfigProvision(t *testing.T) {
 	if sc.opts.Password != "hunter2" || string(sc.hashKey) != "k" {
 		t.Errorf("placeholders not replaced: password %q, hash key %q", sc.opts.Password, sc.hashKey)
 	}
-	if sc.KeyPrefix != DefaultRedisKeyPrefix || time.Duration(sc.Timeout) != DefaultRedisTimeout || sc.OnError != OnErrorLocal {
+	if sc.KeyPrefix != DefaultRedisKeyPrefix || time.Duration(sc.Timeout) != DefaultRedisTimeout || sc.OnError != limiter.OnErrorLocal {
 		t.Errorf("defaults: prefix %q, timeout %s, on_error %q", sc.KeyPrefix, time.Duration(sc.Timeout), sc.OnError)
 	}
 	if sc.Password != "{env.RL_TEST_REDIS_PASSWORD}" {

@@ -7,6 +7,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // EventExceeded is the event emitted through Caddy's events app when a key
@@ -31,7 +33,7 @@ func eventsApp(ctx caddy.Context) (*caddyevents.App, error) {
 
 // emitExceeded emits EventExceeded for key going over limit p, if anything
 // listens for it.
-func (rl *RateLimit) emitExceeded(p *policy, key string, v Verdict) {
+func (rl *RateLimit) emitExceeded(p *policy, key string, v limiter.Verdict) {
 	if rl.events == nil || !rl.events.ShouldEmit(EventExceeded) {
 		return
 	}

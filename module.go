@@ -19,6 +19,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 func init() {
@@ -51,7 +53,7 @@ const statusClientClosedRequest = 499
 
 // Header modes: which quota headers a response carries.
 const (
-	HeadersLegacy = "legacy" // X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset
+	HeadersLegacy = "legacy" // X-RateLimit-limiter.Limit, X-RateLimit-Remaining, X-RateLimit-Reset
 	HeadersIETF   = "ietf"   // RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers-11)
 	HeadersBoth   = "both"   // legacy and IETF
 	HeadersNone   = "none"   // no quota headers (Retry-After is still sent on a 429)
@@ -173,8 +175,8 @@ type RateLimit struct {
 	Status int `json:"status,omitempty"`
 
 	zone     *zone
-	limit    Limit    // the first limit's, as policies[0] holds it
-	policies []policy // the first limit, then Limits
+	limit    limiter.Limit // the first limit's, as policies[0] holds it
+	policies []policy      // the first limit, then Limits
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
@@ -202,7 +204,7 @@ type RateLimit struct {
 // windowCut is a limit whose window a reload shortened: its running windows
 // end at cutoff at the latest.
 type windowCut struct {
-	check  Check
+	check  limiter.Check
 	cutoff time.Time
 }
 
@@ -249,14 +251,14 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 
 	sliding := rl.Algorithm == AlgorithmSliding
-	rl.limit = Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding}
+	rl.limit = limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding}
 	rl.policies = []policy{newPolicy(rl.Zone, "", rl.limit, rl.Key, rl.Missing)}
 	for _, l := range rl.Limits {
 		key := l.Key
 		if key == "" {
 			key = rl.Key
 		}
-		lim := Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding}
+		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding}
 		rl.policies = append(rl.policies, newPolicy(l.Name, l.Name, lim, key, l.Missing))
 	}
 	items := make([]string, len(rl.policies))
@@ -339,7 +341,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	ipKey := rl.ipKey(r)
 	n := len(rl.policies)
-	var checks [MaxChecks]Check
+	var checks [limiter.MaxChecks]limiter.Check
 	for i := range rl.policies {
 		p := &rl.policies[i]
 		key, err := p.resolve(repl, ipKey)
@@ -355,7 +357,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 
 	now := time.Now()
-	var out [MaxChecks]Verdict
+	var out [limiter.MaxChecks]limiter.Verdict
 	if err := rl.zone.store.Decide(r.Context(), checks[:n], now, out[:n]); err != nil {
 		err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
 		if r.Context().Err() != nil {
@@ -411,7 +413,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 
 // refused tallies a refusal in each refusing limit and, for a key's first
 // refusal in a window, logs it and emits the event.
-func (rl *RateLimit) refused(checks []Check, out []Verdict) {
+func (rl *RateLimit) refused(checks []limiter.Check, out []limiter.Verdict) {
 	for i, v := range out {
 		if v.Allowed {
 			continue
@@ -465,7 +467,7 @@ func (rl *RateLimit) ipKey(r *http.Request) string {
 // setHeaders sets the quota headers of the configured mode for the limit
 // that binds the request (p, whose verdict is v); reset is v.Reset in Unix
 // seconds, rounded up. RateLimit-Policy lists every limit.
-func (rl *RateLimit) setHeaders(h http.Header, p *policy, v Verdict, reset int64, now time.Time) {
+func (rl *RateLimit) setHeaders(h http.Header, p *policy, v limiter.Verdict, reset int64, now time.Time) {
 	if !rl.legacyHeaders && !rl.ietfHeaders {
 		return
 	}

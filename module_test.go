@@ -11,6 +11,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // A request with no client IP and no custom key is passed on uncounted and
@@ -160,7 +162,7 @@ func TestCustomKeyNotPrintable(t *testing.T) {
 // not counted as a store error: Redis did nothing wrong.
 func TestRedisClientGoneNotStoreError(t *testing.T) {
 	srv := redistest.Start(t)
-	for _, onError := range []string{OnErrorLocal, OnErrorAllow, OnErrorDeny} {
+	for _, onError := range []string{limiter.OnErrorLocal, limiter.OnErrorAllow, limiter.OnErrorDeny} {
 		t.Run(onError, func(t *testing.T) {
 			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 			defer cancel()

@@ -10,6 +10,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // What a limit does when its key resolves empty.
@@ -54,22 +56,22 @@ type LimitConfig struct {
 
 // policy is one limit as a handler runs it.
 type policy struct {
-	name       string // as headers, the admin API and metrics show it
-	check      Check  // Slot, Name and Limit; Key is set per request
-	key        string // the key placeholder; "" for the client IP
-	keyText    string // what key resolves to when all its placeholders are empty
-	missing    string // MissingIP, MissingReject, or a value
-	missingKey string // the stored form of a missing value
-	quoted     string // the name as a quoted string, for the IETF headers
+	name       string        // as headers, the admin API and metrics show it
+	check      limiter.Check // Slot, Name and limiter.Limit; Key is set per request
+	key        string        // the key placeholder; "" for the client IP
+	keyText    string        // what key resolves to when all its placeholders are empty
+	missing    string        // MissingIP, MissingReject, or a value
+	missingKey string        // the stored form of a missing value
+	quoted     string        // the name as a quoted string, for the IETF headers
 	maxStr     string
 	errInvalid error
 }
 
 // newPolicy builds a limit as the handler runs it.
-func newPolicy(name, storeName string, lim Limit, key, missing string) policy {
+func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) policy {
 	p := policy{
 		name:    name,
-		check:   Check{Name: storeName, Limit: lim},
+		check:   limiter.Check{Name: storeName, Limit: lim},
 		missing: missing,
 		quoted:  strconv.Quote(name),
 		maxStr:  strconv.Itoa(lim.Max),
@@ -128,8 +130,8 @@ func (rl *RateLimit) checkLimits() []error {
 	if err := checkMissing("missing", rl.Missing); err != nil {
 		errs = append(errs, err)
 	}
-	if len(rl.Limits)+1 > MaxChecks {
-		errs = append(errs, fmt.Errorf("invalid limit: %d limits (the handler's first and %d more), at most %d", len(rl.Limits)+1, len(rl.Limits), MaxChecks))
+	if len(rl.Limits)+1 > limiter.MaxChecks {
+		errs = append(errs, fmt.Errorf("invalid limit: %d limits (the handler's first and %d more), at most %d", len(rl.Limits)+1, len(rl.Limits), limiter.MaxChecks))
 	}
 	seen := map[string]bool{}
 	for _, l := range rl.Limits {
@@ -258,7 +260,7 @@ func (rl *RateLimit) exempt(r *http.Request) bool {
 // constraining returns the index of the verdict that binds the request: of
 // the refusing limits, the one whose wait is longest; if none refuses, the
 // one with the least quota left (the first of equals).
-func constraining(out []Verdict) int {
+func constraining(out []limiter.Verdict) int {
 	best := 0
 	for i := 1; i < len(out); i++ {
 		a, b := out[i], out[best]

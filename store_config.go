@@ -16,6 +16,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // Store types.
@@ -167,7 +169,7 @@ func (sc *StoreConfig) check() error {
 		errs = append(errs, fmt.Errorf("invalid timeout %s: must be at most %s", time.Duration(sc.Timeout), MaxRedisTimeout))
 	}
 	switch sc.OnError {
-	case "", OnErrorLocal, OnErrorAllow, OnErrorDeny:
+	case "", limiter.OnErrorLocal, limiter.OnErrorAllow, limiter.OnErrorDeny:
 	default:
 		errs = append(errs, fmt.Errorf("invalid on_error %q: must be local, allow or deny", sc.OnError))
 	}
@@ -197,7 +199,7 @@ func (sc *StoreConfig) provision() error {
 		sc.Timeout = caddy.Duration(DefaultRedisTimeout)
 	}
 	if sc.OnError == "" {
-		sc.OnError = OnErrorLocal
+		sc.OnError = limiter.OnErrorLocal
 	}
 
 	repl := caddy.NewReplacer()

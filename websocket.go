@@ -17,6 +17,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // WebSocket refusal modes: how a handshake over the rate or over the
@@ -114,7 +116,7 @@ func (z *zone) wsOpen(key string) int {
 // the key's connection slots for as long as next serves the socket (for
 // reverse_proxy, until the tunnel ends however it ends), or refuses it when
 // the key already has WSMaxConnectionsPerIP sockets open.
-func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v Verdict) error {
+func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v limiter.Verdict) error {
 	z := rl.zone
 	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
 	if !ok {

@@ -11,6 +11,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // zones holds every zone's store. It is a package-level UsagePool because a
@@ -23,21 +25,21 @@ var zones = caddy.NewUsagePool()
 type zone struct {
 	name  string
 	seq   uint64 // order of creation: the newer of two zones of one name wins
-	store Store
+	store limiter.Store
 
 	// mem is the store when it is the in-process one, for the settings
 	// only it has (max tracked, the sweep interval); nil otherwise.
-	mem        *MemoryStore
+	mem        *limiter.MemoryStore
 	gcInterval atomic.Int64
 
 	// redis is the store when it is the Redis one, nil otherwise;
 	// redisConn names its client in redisClients.
-	redis     *RedisStore
+	redis     *limiter.RedisStore
 	redisConn string
 
 	// slots names the limit each memory store slot counts ("" for the
 	// first limit and for free slots).
-	slots [MaxChecks]string
+	slots [limiter.MaxChecks]string
 
 	// holders are the handlers holding the zone, in provisioning order; the
 	// zone runs with the settings of the newest, so that a reload applies
@@ -123,7 +125,7 @@ func newZone(rl *RateLimit) *zone {
 	z := &zone{name: rl.Zone, seq: zoneSeq.Add(1), cancel: cancel}
 	interval := func() time.Duration { return time.Duration(z.gcInterval.Load()) }
 	if sc := rl.Store; sc.isRedis() {
-		rs := NewRedisStore(RedisStoreOptions{
+		rs := limiter.NewRedisStore(limiter.RedisStoreOptions{
 			Client:     loadRedisClient(sc),
 			Prefix:     sc.KeyPrefix + rl.Zone + ":",
 			HashKey:    sc.hashKey,
@@ -135,7 +137,7 @@ func newZone(rl *RateLimit) *zone {
 		go rs.Run(ctx, interval)
 		return z
 	}
-	mem := NewMemoryStore(rl.MaxTracked)
+	mem := limiter.NewMemoryStore(rl.MaxTracked)
 	z.store, z.mem = mem, mem
 	z.apply(rl)
 	go mem.RunSweeper(ctx, interval)
@@ -181,7 +183,7 @@ func (z *zone) hold(rl *RateLimit) {
 			}
 			if z.redis != nil && !p.check.Limit.Sliding {
 				// A sliding window's keys outlive its end by a window
-				// (store_redis.lua): a shorter one applies from each
+				// (internal/limiter/redis.lua): a shorter one applies from each
 				// key's next window.
 				rl.cutRedis = new(sync.Once)
 				rl.cuts = append(rl.cuts, windowCut{p.check, cutoff})
@@ -194,13 +196,13 @@ func (z *zone) hold(rl *RateLimit) {
 }
 
 // policy returns the Limit of rl's limit stored under name.
-func (rl *RateLimit) policy(name string) (Limit, bool) {
+func (rl *RateLimit) policy(name string) (limiter.Limit, bool) {
 	for _, p := range rl.policies {
 		if p.check.Name == name {
 			return p.check.Limit, true
 		}
 	}
-	return Limit{}, false
+	return limiter.Limit{}, false
 }
 
 // slotFor returns the slot of the memory store that counts the limit
@@ -211,7 +213,7 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 	if name == "" {
 		return 0
 	}
-	for i := 1; i < MaxChecks; i++ {
+	for i := 1; i < limiter.MaxChecks; i++ {
 		if z.slots[i] == name {
 			return i
 		}
@@ -224,19 +226,19 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 		}
 		return false
 	}
-	for i := 1; i < MaxChecks; i++ {
+	for i := 1; i < limiter.MaxChecks; i++ {
 		if z.slots[i] == "" || !inUse(z.slots[i]) {
 			z.slots[i] = name
 			if z.mem != nil {
 				z.mem.SetSlotName(i, name)
 			}
 			if z.redis != nil {
-				z.redis.local.SetSlotName(i, name)
+				z.redis.SetSlotName(i, name)
 			}
 			return i
 		}
 	}
-	return MaxChecks - 1 // not reached: a handler has at most MaxChecks limits
+	return limiter.MaxChecks - 1 // not reached: a handler has at most limiter.MaxChecks limits
 }
 
 // release records that rl no longer uses the zone, and applies the settings

@@ -1,4 +1,4 @@
-package ratelimit
+package limiter
 
 import (
 	"context"
@@ -255,7 +255,7 @@ func (s *MemoryStore) insert(idx uint64, c Check, e *memEntry) {
 // ended starts afresh; a sliding one keeps the count of the window just
 // ended as prev. A window a reload shortened is cut first (Limit.end).
 func (e *memEntry) roll(t int64, l Limit) {
-	e.reset = l.end(e.reset, t)
+	e.reset = l.End(e.reset, t)
 	if t < e.reset {
 		return
 	}

@@ -1,4 +1,9 @@
-package ratelimit
+// Package limiter holds the rate limiter's algorithms: fixed and sliding
+// windows, the atomic decision over several limits, and the stores that keep
+// the counters (in memory, and in Redis with its scripts). It imports no
+// Caddy package, so the compiler keeps the algorithms apart from the Caddy
+// module that drives them.
+package limiter
 
 import (
 	"context"
@@ -29,10 +34,10 @@ type Limit struct {
 	Sliding bool
 }
 
-// end returns when a window that would end at reset (Unix nanoseconds) ends
+// End returns when a window that would end at reset (Unix nanoseconds) ends
 // under l at t. Only a window begun under a longer Window, one that would
 // end more than a Window after t, is cut short.
-func (l Limit) end(reset, t int64) int64 {
+func (l Limit) End(reset, t int64) int64 {
 	if reset-t <= int64(l.Window) {
 		return reset
 	}
@@ -57,6 +62,12 @@ func (l Limit) cutoffIn(now time.Time) time.Duration {
 	}
 	return min(l.Since.Add(l.Window).Sub(now), l.Window)
 }
+
+// Defaults of the stores' options left unset.
+const (
+	DefaultMaxTracked = 100_000                // keys a store tracks at most
+	DefaultTimeout    = 100 * time.Millisecond // a Redis decision's round trip
+)
 
 // MaxChecks is the most limits one decision may hold.
 const MaxChecks = 8

@@ -1,4 +1,4 @@
-package ratelimit
+package limiter
 
 import (
 	"context"
@@ -20,19 +20,19 @@ import (
 	"go.uber.org/zap"
 )
 
-// hitScript is one fixed-window decision over one or more limits: see
-// store_redis.lua. Run sends it by EVALSHA and loads it on NOSCRIPT, so a
+// hitScript is one decision over one or more limits, fixed or sliding: see
+// redis.lua. Run sends it by EVALSHA and loads it on NOSCRIPT, so a
 // restarted Redis costs one extra round trip.
 //
-//go:embed store_redis.lua
+//go:embed redis.lua
 var hitSource string
 
 var hitScript = redis.NewScript(hitSource)
 
 // releaseScript gives back a Cluster decision's reservation in one slot:
-// see store_redis_release.lua.
+// see redis_release.lua.
 //
-//go:embed store_redis_release.lua
+//go:embed redis_release.lua
 var releaseSource string
 
 var releaseScript = redis.NewScript(releaseSource)
@@ -160,7 +160,7 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 // one restores the default of 100ms.
 func (s *RedisStore) SetTimeout(d time.Duration) {
 	if d <= 0 {
-		d = DefaultRedisTimeout
+		d = DefaultTimeout
 	}
 	s.timeout.Store(int64(d))
 }
@@ -211,7 +211,7 @@ func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit L
 // Cluster, the checks whose keys share a slot (the limits of one client key
 // do) are one call; checks in several slots are decided slot by slot, each
 // call reserving its counts when its limits admit, and a refusal in any slot
-// gives the reservations back (store_redis_release.lua). The Cluster never
+// gives the reservations back (redis_release.lua). The Cluster never
 // admits more than a limit allows and leaves no count of a refused request;
 // while a reservation is being given back, a concurrent request may be
 // refused that an exact decision would admit.
@@ -636,6 +636,10 @@ func (s *RedisStore) parseKey(k string) (name, tag string, ok bool) {
 	return name, rest[1 : len(rest)-3], true
 }
 
+// SetSlotName names the limit counted in slot of the in-process fallback
+// store (see MemoryStore.SetSlotName).
+func (s *RedisStore) SetSlotName(slot int, name string) { s.local.SetSlotName(slot, name) }
+
 // SetLimitNames tells the store the names of the zone's limits other than
 // the first, so that Forget reaches a key in each.
 func (s *RedisStore) SetLimitNames(names []string) {
@@ -960,7 +964,7 @@ func (c *refusedCache) get(key string, t int64, limit Limit) (int64, bool) {
 	}
 	// An entry that a shorter window cuts short (a reload shortened it)
 	// goes: Redis, which cuts its window too, decides instead.
-	if t >= e.reset || limit.end(e.reset, t) != e.reset {
+	if t >= e.reset || limit.End(e.reset, t) != e.reset {
 		delete(sh.m, key)
 		return 0, false
 	}
