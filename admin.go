@@ -437,15 +437,7 @@ type namedLimit struct {
 // limits returns the limits of the config that last named the zone, the
 // first first.
 func (z *zone) limits() []namedLimit {
-	h := z.newest()
-	if h == nil {
-		return []namedLimit{{name: z.name, limit: limiter.Limit{Window: DefaultWindow, Max: DefaultMax}}}
-	}
-	out := make([]namedLimit, len(h.policies))
-	for i, p := range h.policies {
-		out[i] = namedLimit{name: p.name, storeName: p.check.Name, slot: p.check.Slot, limit: p.check.Limit}
-	}
-	return out
+	return z.newest().limits
 }
 
 // ranksBefore reports whether a is listed before b: more requests (admitted
@@ -544,10 +536,8 @@ func compareRank(a, b limiter.KeyState) int {
 // settings returns the limit and the enabled switch of the config that
 // last named the zone.
 func (z *zone) settings() (limiter.Limit, bool) {
-	if h := z.newest(); h != nil {
-		return h.limit, h.isEnabled()
-	}
-	return limiter.Limit{Window: DefaultWindow, Max: DefaultMax}, true
+	s := z.newest()
+	return s.limits[0].limit, s.enabled
 }
 
 // info describes the zone for the zone list.

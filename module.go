@@ -195,6 +195,8 @@ type RateLimit struct {
 	events *caddyevents.App
 	ctx    caddy.Context
 
+	holdID uint64 // the handler's hold on its zone
+
 	// cutRedis, when set, runs once, at the handler's first request, the
 	// cuts of the Redis windows that shorter windows end.
 	cutRedis *sync.Once
@@ -285,7 +287,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if reg := ctx.GetMetricsRegistry(); reg != nil {
 		load = reg
 	}
-	if err := claimZone(ctx.Context, load, rl.Zone, rl.zoneSettings()); err != nil {
+	if err := claimZone(ctx.Context, load, rl.Zone, rl.sharedSettings()); err != nil {
 		return err
 	}
 	z, _, err := zones.LoadOrNew(rl.poolKey(), func() (caddy.Destructor, error) {
@@ -544,10 +546,14 @@ func (rl *RateLimit) isEnabled() bool {
 	return rl.Enabled == nil || *rl.Enabled
 }
 
-// zoneSettings describes the settings handlers naming one zone must share.
-func (rl *RateLimit) zoneSettings() string {
-	return fmt.Sprintf("window=%s max=%d max_tracked=%d gc_interval=%s enabled=%t store=%s",
-		time.Duration(rl.Window), rl.Max, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
+// sharedSettings describes the settings handlers naming one zone must share.
+func (rl *RateLimit) sharedSettings() string {
+	limits := make([]string, len(rl.Limits))
+	for i, l := range rl.Limits {
+		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window))
+	}
+	return fmt.Sprintf("window=%s max=%d limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t store=%s",
+		time.Duration(rl.Window), rl.Max, strings.Join(limits, " "), rl.Algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
 }
 
 // validZoneName reports whether name is a usable zone name: it appears in

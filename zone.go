@@ -41,12 +41,12 @@ type zone struct {
 	// first limit and for free slots).
 	slots [limiter.MaxChecks]string
 
-	// holders are the handlers holding the zone, in provisioning order; the
-	// zone runs with the settings of the newest, so that a reload applies
-	// its settings and a failed reload, whose handlers let go, restores the
-	// running config's.
+	// holders are the holds of the handlers holding the zone, in
+	// provisioning order; the zone runs with the settings of the newest, so
+	// that a reload applies its settings and a failed reload, whose handlers
+	// let go, restores the running config's.
 	mu      sync.Mutex
-	holders []*RateLimit
+	holders []holding
 
 	// results counts decisions by outcome since the zone was created; the
 	// metrics read them, so a config reload never resets a counter.
@@ -99,15 +99,47 @@ func (z *zone) health() string {
 	return ""
 }
 
-// newest returns the newest handler holding the zone, whose settings the
-// zone runs with, or nil while no handler holds it yet.
-func (z *zone) newest() *RateLimit {
+// zoneSettings is what a zone runs with: the settings of the newest handler
+// holding it, as a plain value, so that the zone never points back at a
+// config's handlers.
+type zoneSettings struct {
+	enabled    bool
+	limits     []namedLimit // the first limit first
+	maxTracked int
+	gcInterval time.Duration
+	timeout    time.Duration // Redis only
+	onError    string        // Redis only
+}
+
+// holding is one handler's hold on the zone: an id the handler keeps, and
+// its settings.
+type holding struct {
+	id       uint64
+	settings zoneSettings
+}
+
+// holdIDs numbers the holds on zones.
+var holdIDs atomic.Uint64
+
+// newest returns the settings the zone runs with: the newest holder's, or
+// the defaults while no handler holds it yet.
+func (z *zone) newest() zoneSettings {
 	z.mu.Lock()
 	defer z.mu.Unlock()
 	if n := len(z.holders); n > 0 {
-		return z.holders[n-1]
+		return z.holders[n-1].settings
 	}
-	return nil
+	return zoneSettings{enabled: true, limits: []namedLimit{{name: z.name, limit: limiter.Limit{Window: DefaultWindow, Max: DefaultMax}}}}
+}
+
+// limit returns the zone's limit stored under name in s.
+func (s zoneSettings) limit(name string) (limiter.Limit, bool) {
+	for _, l := range s.limits {
+		if l.storeName == name {
+			return l.limit, true
+		}
+	}
+	return limiter.Limit{}, false
 }
 
 // zoneSeq numbers zones in the order they are created.
@@ -133,13 +165,13 @@ func newZone(rl *RateLimit) *zone {
 			Logger:     rl.logger.With(zap.String("zone", rl.Zone)),
 		})
 		z.store, z.redis, z.redisConn = rs, rs, sc.connKey
-		z.apply(rl)
+		z.apply(rl.settings())
 		go rs.Run(ctx, interval)
 		return z
 	}
 	mem := limiter.NewMemoryStore(rl.MaxTracked)
 	z.store, z.mem = mem, mem
-	z.apply(rl)
+	z.apply(rl.settings())
 	go mem.RunSweeper(ctx, interval)
 	return z
 }
@@ -151,9 +183,9 @@ func newZone(rl *RateLimit) *zone {
 func (z *zone) hold(rl *RateLimit) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
-	var running *RateLimit
+	var running *zoneSettings
 	if n := len(z.holders); n > 0 {
-		running = z.holders[n-1]
+		running = &z.holders[n-1].settings
 	}
 	for i := range rl.policies {
 		p := &rl.policies[i]
@@ -161,7 +193,7 @@ func (z *zone) hold(rl *RateLimit) {
 		if running == nil {
 			continue
 		}
-		prev, ok := running.policy(p.check.Name)
+		prev, ok := running.limit(p.check.Name)
 		if !ok {
 			continue
 		}
@@ -191,18 +223,26 @@ func (z *zone) hold(rl *RateLimit) {
 		}
 	}
 	rl.limit = rl.policies[0].check.Limit
-	z.holders = append(z.holders, rl)
-	z.apply(rl)
+	rl.holdID = holdIDs.Add(1)
+	h := holding{id: rl.holdID, settings: rl.settings()}
+	z.holders = append(z.holders, h)
+	z.apply(h.settings)
 }
 
-// policy returns the Limit of rl's limit stored under name.
-func (rl *RateLimit) policy(name string) (limiter.Limit, bool) {
-	for _, p := range rl.policies {
-		if p.check.Name == name {
-			return p.check.Limit, true
-		}
+// settings returns what the zone runs with while rl is its newest holder.
+func (rl *RateLimit) settings() zoneSettings {
+	s := zoneSettings{
+		enabled:    rl.isEnabled(),
+		maxTracked: rl.MaxTracked,
+		gcInterval: time.Duration(rl.GCInterval),
 	}
-	return limiter.Limit{}, false
+	for _, p := range rl.policies {
+		s.limits = append(s.limits, namedLimit{name: p.name, storeName: p.check.Name, slot: p.check.Slot, limit: p.check.Limit})
+	}
+	if rl.Store.isRedis() {
+		s.timeout, s.onError = time.Duration(rl.Store.Timeout), rl.Store.OnError
+	}
+	return s
 }
 
 // slotFor returns the slot of the memory store that counts the limit
@@ -219,12 +259,12 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 		}
 	}
 	inUse := func(n string) bool {
-		for _, h := range append(slices.Clone(z.holders), rl) {
-			if _, ok := h.policy(n); ok {
+		for _, h := range z.holders {
+			if _, ok := h.settings.limit(n); ok {
 				return true
 			}
 		}
-		return false
+		return slices.ContainsFunc(rl.policies, func(p policy) bool { return p.check.Name == n })
 	}
 	for i := 1; i < limiter.MaxChecks; i++ {
 		if z.slots[i] == "" || !inUse(z.slots[i]) {
@@ -246,28 +286,29 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 func (z *zone) release(rl *RateLimit) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
-	z.holders = slices.DeleteFunc(z.holders, func(h *RateLimit) bool { return h == rl })
+	z.holders = slices.DeleteFunc(z.holders, func(h holding) bool { return h.id == rl.holdID })
 	if n := len(z.holders); n > 0 {
-		z.apply(z.holders[n-1])
+		z.apply(z.holders[n-1].settings)
 	}
 }
 
-// apply takes the settings of a handler, so that a reload that changes them
-// takes effect without dropping the zone's counts. newZone and hold call it.
-func (z *zone) apply(rl *RateLimit) {
-	z.gcInterval.Store(int64(rl.GCInterval))
+// apply takes the settings of the newest holder, so that a reload that
+// changes them takes effect without dropping the zone's counts. newZone,
+// hold and release call it.
+func (z *zone) apply(s zoneSettings) {
+	z.gcInterval.Store(int64(s.gcInterval))
 	if z.mem != nil {
-		z.mem.SetMaxTracked(rl.MaxTracked)
+		z.mem.SetMaxTracked(s.maxTracked)
 	}
 	if z.redis != nil {
-		names := make([]string, 0, len(rl.policies)-1)
-		for _, p := range rl.policies[1:] {
-			names = append(names, p.check.Name)
+		names := make([]string, 0, len(s.limits)-1)
+		for _, l := range s.limits[1:] {
+			names = append(names, l.storeName)
 		}
 		z.redis.SetLimitNames(names)
-		z.redis.SetMaxTracked(rl.MaxTracked)
-		z.redis.SetTimeout(time.Duration(rl.Store.Timeout))
-		z.redis.SetOnError(rl.Store.OnError)
+		z.redis.SetMaxTracked(s.maxTracked)
+		z.redis.SetTimeout(s.timeout)
+		z.redis.SetOnError(s.onError)
 	}
 }
 
