@@ -27,8 +27,8 @@ func init() {
 
 // Paging of a zone's key listing.
 const (
-	DefaultListLimit = 100  // keys per page when the query gives no limit
-	MaxListLimit     = 1000 // the most keys one page may ask for
+	DefaultPageSize = 100  // keys per page when the query gives no limit
+	MaxPageSize     = 1000 // the most keys one page may ask for
 )
 
 // adminPrefix is the path every endpoint of the admin API is under.
@@ -277,7 +277,7 @@ type listQuery struct {
 	limitedOnly bool
 	prefix      string
 	offset      int
-	limit       int
+	pageSize    int
 }
 
 // parseQuery parses a raw query string strictly: every parameter is
@@ -317,7 +317,7 @@ func parseQuery(raw string, allowed ...string) (map[string]string, error) {
 // parseListQuery reads the listing's query parameters, naming the first bad
 // one.
 func parseListQuery(params map[string]string) (listQuery, error) {
-	q := listQuery{limit: DefaultListLimit}
+	q := listQuery{pageSize: DefaultPageSize}
 	for _, name := range slices.Sorted(maps.Keys(params)) {
 		val := params[name]
 		var err error
@@ -340,9 +340,9 @@ func parseListQuery(params map[string]string) (listQuery, error) {
 				return q, fmt.Errorf("invalid offset %q: must be a whole number, at least 0", val)
 			}
 		case "limit":
-			q.limit, err = strconv.Atoi(val)
-			if err != nil || q.limit < 1 || q.limit > MaxListLimit {
-				return q, fmt.Errorf("invalid limit %q: must be a whole number from 1 to %d", val, MaxListLimit)
+			q.pageSize, err = strconv.Atoi(val)
+			if err != nil || q.pageSize < 1 || q.pageSize > MaxPageSize {
+				return q, fmt.Errorf("invalid limit %q: must be a whole number from 1 to %d", val, MaxPageSize)
 			}
 		}
 	}
@@ -367,7 +367,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		}
 		return namedLimit{}, false
 	}
-	k := q.offset + q.limit
+	k := q.offset + q.pageSize
 	if k < q.offset { // overflow: keep everything
 		k = math.MaxInt
 	}
@@ -408,8 +408,8 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	if err != nil {
 		return KeyList{}, err
 	}
-	page := best.page(q.offset, q.limit)
-	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.limit, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
+	page := best.page(q.offset, q.pageSize)
+	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		l, _ := limitOf(ks.Name)
 		out.Keys = append(out.Keys, KeyInfo{
@@ -479,8 +479,8 @@ func (t *topKeys) offer(ks limiter.KeyState) {
 	}
 }
 
-// page returns the keys ranked offset to offset+limit-1, best first.
-func (t *topKeys) page(offset, limit int) []limiter.KeyState {
+// page returns the keys ranked offset to offset+size-1, best first.
+func (t *topKeys) page(offset, size int) []limiter.KeyState {
 	if offset >= len(t.items) {
 		return nil
 	}
@@ -488,9 +488,9 @@ func (t *topKeys) page(offset, limit int) []limiter.KeyState {
 		selectRank(t.items, offset)
 	}
 	rest := t.items[offset:]
-	if len(rest) > limit {
-		selectRank(rest, limit)
-		rest = rest[:limit]
+	if len(rest) > size {
+		selectRank(rest, size)
+		rest = rest[:size]
 	}
 	slices.SortFunc(rest, compareRank)
 	return rest

@@ -46,7 +46,7 @@ else the admin address of the --config file, else ` + "localhost:2019" + `.`,
 			top.Flags().Bool("limited", false, "Only keys over their limit now")
 			top.Flags().String("prefix", "", "Only keys starting with this prefix")
 			top.Flags().String("policy", "", "Only keys counted in this limit")
-			top.Flags().IntP("n", "n", 20, fmt.Sprintf("How many keys to list, 1 to %d", MaxListLimit))
+			top.Flags().IntP("n", "n", 20, fmt.Sprintf("How many keys to list, 1 to %d", MaxPageSize))
 			cmd.AddCommand(
 				&cobra.Command{Use: "zones", Short: "Lists every zone", Args: cobra.NoArgs, RunE: cmdZones},
 				top,
@@ -109,8 +109,8 @@ func cmdZones(cmd *cobra.Command, _ []string) error {
 
 func cmdTop(cmd *cobra.Command, args []string) error {
 	n, _ := cmd.Flags().GetInt("n")
-	if n < 1 || n > MaxListLimit {
-		return fmt.Errorf("invalid -n %d: must be from 1 to %d", n, MaxListLimit)
+	if n < 1 || n > MaxPageSize {
+		return fmt.Errorf("invalid -n %d: must be from 1 to %d", n, MaxPageSize)
 	}
 	q := url.Values{"limit": {strconv.Itoa(n)}}
 	if limited, _ := cmd.Flags().GetBool("limited"); limited {

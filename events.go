@@ -41,7 +41,7 @@ func (rl *RateLimit) emitExceeded(p *policy, key string, v limiter.Verdict) {
 		"zone":    rl.Zone,
 		"limit":   p.name,
 		"key":     key,
-		"max":     v.Limit,
+		"max":     v.Max,
 		"window":  int64(p.check.Limit.Window / time.Second),
 		"reset":   ceilSeconds(v.Reset.UnixNano()),
 		"dry_run": rl.DryRun,

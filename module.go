@@ -53,7 +53,7 @@ const statusClientClosedRequest = 499
 
 // Header modes: which quota headers a response carries.
 const (
-	HeadersLegacy = "legacy" // X-RateLimit-limiter.Limit, X-RateLimit-Remaining, X-RateLimit-Reset
+	HeadersLegacy = "legacy" // X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset
 	HeadersIETF   = "ietf"   // RateLimit-Policy and RateLimit (draft-ietf-httpapi-ratelimit-headers-11)
 	HeadersBoth   = "both"   // legacy and IETF
 	HeadersNone   = "none"   // no quota headers (Retry-After is still sent on a 429)
@@ -385,7 +385,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	repl.Set("http.rate_limit.zone", rl.zoneAny)
 	repl.Set("http.rate_limit.policy", rl.policies[m].name)
 	repl.Set("http.rate_limit.key", key)
-	repl.Set("http.rate_limit.limit", v.Limit)
+	repl.Set("http.rate_limit.limit", v.Max)
 	repl.Set("http.rate_limit.remaining", v.Remaining)
 	repl.Set("http.rate_limit.reset", reset)
 	repl.Set("http.rate_limit.exceeded", !allowed)
@@ -434,7 +434,7 @@ func (rl *RateLimit) refused(checks []limiter.Check, out []limiter.Verdict) {
 				zap.String("zone", rl.Zone),
 				zap.String("limit", p.name),
 				zap.String("key", checks[i].Key),
-				zap.Int("max", v.Limit),
+				zap.Int("max", v.Max),
 				zap.Duration("window", p.check.Limit.Window),
 				zap.Int64("reset", ceilSeconds(v.Reset.UnixNano())),
 			)

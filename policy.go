@@ -57,7 +57,7 @@ type LimitConfig struct {
 // policy is one limit as a handler runs it.
 type policy struct {
 	name       string        // as headers, the admin API and metrics show it
-	check      limiter.Check // Slot, Name and limiter.Limit; Key is set per request
+	check      limiter.Check // Slot, Name and Limit; Key is set per request
 	key        string        // the key placeholder; "" for the client IP
 	keyText    string        // what key resolves to when all its placeholders are empty
 	missing    string        // MissingIP, MissingReject, or a value

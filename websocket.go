@@ -69,15 +69,15 @@ type wsConns struct {
 	live map[string]int // key → open sockets; a key at 0 is deleted
 }
 
-// wsAcquire takes one of key's WebSocket slots unless it already has limit
-// sockets open (limit 0: no cap). On success it returns a release function
+// wsAcquire takes one of key's WebSocket slots unless it already has
+// maxOpen sockets open (0: no cap). On success it returns a release function
 // that gives the slot back; calling it again does nothing, so the slot is
 // given back exactly once.
-func (z *zone) wsAcquire(key string, limit int) (release func(), ok bool) {
+func (z *zone) wsAcquire(key string, maxOpen int) (release func(), ok bool) {
 	c := &z.ws
 	c.mu.Lock()
 	n := c.live[key]
-	if limit > 0 && n >= limit {
+	if maxOpen > 0 && n >= maxOpen {
 		c.mu.Unlock()
 		return nil, false
 	}

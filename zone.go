@@ -278,7 +278,7 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 			return i
 		}
 	}
-	return limiter.MaxChecks - 1 // not reached: a handler has at most limiter.MaxChecks limits
+	return limiter.MaxChecks - 1 // not reached: a handler has at most MaxChecks limits
 }
 
 // release records that rl no longer uses the zone, and applies the settings

@@ -89,8 +89,8 @@ type Check struct {
 type Verdict struct {
 	// Allowed reports whether the request is admitted.
 	Allowed bool
-	// Limit is the Max the decision was made against.
-	Limit int
+	// Max is the Max of the Limit the decision was made against.
+	Max int
 	// Remaining is Max minus the requests admitted in this window, never
 	// negative.
 	Remaining int

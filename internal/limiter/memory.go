@@ -199,7 +199,7 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 				e.span = int32(c.Limit.Window / time.Second)
 			}
 		}
-		out[i] = Verdict{Limit: c.Limit.Max, Reset: time.Unix(0, e.reset), Allowed: e.admits(t, c.Limit)}
+		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.reset), Allowed: e.admits(t, c.Limit)}
 		allowed = allowed && out[i].Allowed
 	}
 	for i, c := range checks {

@@ -31,7 +31,7 @@ func TestMemoryStoreWindow(t *testing.T) {
 
 	for i, want := range []int{2, 1, 0} {
 		v := hit(t, s, "a", t0.Add(time.Duration(i)*time.Second), lim)
-		if !v.Allowed || v.Remaining != want || !v.Reset.Equal(reset) || v.RetryAfter != 0 || v.Limit != 3 {
+		if !v.Allowed || v.Remaining != want || !v.Reset.Equal(reset) || v.RetryAfter != 0 || v.Max != 3 {
 			t.Fatalf("hit %d = %+v, want allowed, remaining %d, reset %v", i+1, v, want, reset)
 		}
 	}
@@ -71,7 +71,7 @@ func TestMemoryStoreLimitChange(t *testing.T) {
 	for range 4 {
 		hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 5})
 	}
-	if v := hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 2}); v.Allowed || v.Remaining != 0 || v.Limit != 2 {
+	if v := hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 2}); v.Allowed || v.Remaining != 0 || v.Max != 2 {
 		t.Fatalf("after lowering max = %+v, want refused with 0 remaining", v)
 	}
 	if v := hit(t, s, "k", t0, Limit{Window: time.Minute, Max: 10}); !v.Allowed || v.Remaining != 5 {

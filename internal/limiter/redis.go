@@ -226,9 +226,9 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 			// One limit is known to refuse: so is the request, with
 			// no round trip. The other limits were not asked.
 			for j, o := range checks {
-				out[j] = Verdict{Allowed: true, Limit: o.Limit.Max, Remaining: o.Limit.Max, Reset: now.Add(o.Limit.Window)}
+				out[j] = Verdict{Allowed: true, Max: o.Limit.Max, Remaining: o.Limit.Max, Reset: now.Add(o.Limit.Window)}
 			}
-			out[i] = Verdict{Limit: c.Limit.Max, Reset: time.Unix(0, reset), RetryAfter: time.Duration(reset - t)}
+			out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, reset), RetryAfter: time.Duration(reset - t)}
 			return nil
 		}
 	}
@@ -382,7 +382,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		left := time.Duration(r[2]) * time.Millisecond
 		v := Verdict{
 			Allowed:   r[0] == 1,
-			Limit:     c.Limit.Max,
+			Max:       c.Limit.Max,
 			Remaining: int(max(int64(c.Limit.Max)-r[1], 0)),
 			Reset:     now.Add(left),
 		}
@@ -409,7 +409,7 @@ func (s *RedisStore) fallback(ctx context.Context, checks []Check, now time.Time
 		for i, c := range checks {
 			out[i] = Verdict{
 				Allowed:    true,
-				Limit:      c.Limit.Max,
+				Max:        c.Limit.Max,
 				Remaining:  c.Limit.Max,
 				Reset:      now.Add(c.Limit.Window),
 				StoreError: true,

@@ -54,7 +54,7 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !v.Allowed || v.Remaining != 3-i || v.Limit != 3 || v.StoreError {
+		if !v.Allowed || v.Remaining != 3-i || v.Max != 3 || v.StoreError {
 			t.Fatalf("hit %d: %+v, want allowed with %d remaining", i, v, 3-i)
 		}
 		if d := v.Reset.Sub(now); d <= time.Second || d > 2*time.Second {
