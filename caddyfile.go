@@ -10,8 +10,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-
-	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 func init() {
@@ -120,25 +118,14 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.Window, err = parseWindow(d, opt, val, false)
 		case "max":
 			rl.Max, err = parseInt(d, opt, val, 1)
-			if err == nil && rl.Max > MaxRequests {
-				err = d.Errf("invalid %s %q: must be at most %d", opt, val, MaxRequests)
-			}
 		case "max_tracked", "maxTracked":
 			rl.MaxTracked, err = parseInt(d, opt, val, MinMaxTracked)
 		case "key":
 			rl.Key = val
 		case "ipv6_prefix":
 			rl.IPv6Prefix, err = parseInt(d, opt, val, 1)
-			if err == nil && rl.IPv6Prefix > 128 {
-				err = d.Errf("invalid %s %q: must be between 1 and 128", opt, val)
-			}
 		case "headers":
-			switch val {
-			case HeadersLegacy, HeadersIETF, HeadersBoth, HeadersNone:
-				rl.Headers = val
-			default:
-				err = d.Errf("invalid headers %q: must be legacy, ietf, both or none", val)
-			}
+			rl.Headers = val
 		case "gc_interval":
 			rl.GCInterval, err = parseDuration(d, opt, val)
 		case "enabled":
@@ -156,12 +143,7 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "status":
 			rl.Status, err = parseInt(d, opt, val, 1)
 		case "ws_reject":
-			switch val {
-			case WSRejectClose, WSRejectStatus:
-				rl.WSReject = val
-			default:
-				err = d.Errf("invalid ws_reject %q: must be close or status", val)
-			}
+			rl.WSReject = val
 		default:
 			return d.Errf("unrecognized rate_limit subdirective %q", opt)
 		}
@@ -169,9 +151,9 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 	}
-	// What the options above cannot see alone (a zone name, a key without
-	// a placeholder, a window of a fraction of a second) fails here, at
-	// adapt, as it would at load.
+	// Values are validated in one place, check, which a load runs too; the
+	// parser checks only the shape of each option and what JSON cannot
+	// express (an explicit 0 or empty value, an option given twice).
 	if err := rl.check(); err != nil {
 		return d.Errf("%v", err)
 	}
@@ -284,12 +266,7 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 		case "timeout":
 			sc.Timeout, err = parseDuration(d, opt, val)
 		case "on_error":
-			switch val {
-			case limiter.OnErrorLocal, limiter.OnErrorAllow, limiter.OnErrorDeny:
-				sc.OnError = val
-			default:
-				err = d.Errf("invalid on_error %q: must be local, allow or deny", val)
-			}
+			sc.OnError = val
 		case "hash_keys":
 			sc.HashKeys = val
 		default:

@@ -294,7 +294,7 @@ func TestConfigInputStrict(t *testing.T) {
 			address 127.0.0.1:6379
 			timeout 500us
 		}`, `invalid timeout 500µs: must be at least 1ms`},
-		{`max 9223372036854775807`, `invalid max \"9223372036854775807\": must be at most 1000000000`},
+		{`max 9223372036854775807`, `invalid max 9223372036854775807: must be from 1 to 1000000000`},
 	} {
 		status, body := s.load(fmt.Sprintf("http://api.test:$PORT {\n\trate_limit {\n\t\t%s\n\t}\n\trespond \"api\"\n}", tc.opts))
 		if status != http.StatusBadRequest || !strings.Contains(body, tc.text) {
