@@ -91,21 +91,31 @@ var client = &http.Client{Timeout: 10 * time.Second}
 // returns the response with its body read.
 func (s *server) get(path string, headers ...string) (*http.Response, string) {
 	s.t.Helper()
+	return s.getHost("", path, headers...)
+}
+
+// getHost is get with the Host header set to host ("": the server's
+// address).
+func (s *server) getHost(host, path string, headers ...string) (*http.Response, string) {
+	s.t.Helper()
 	req, err := http.NewRequest(http.MethodGet, s.Base+path, nil)
 	if err != nil {
 		s.t.Fatal(err)
+	}
+	if host != "" {
+		req.Host = host
 	}
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		s.t.Fatalf("GET %s: %v", path, err)
+		s.t.Fatalf("GET %s%s: %v", host, path, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	if err != nil {
-		s.t.Fatalf("reading GET %s: %v", path, err)
+		s.t.Fatalf("reading GET %s%s: %v", host, path, err)
 	}
 	return resp, string(body)
 }

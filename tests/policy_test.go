@@ -53,6 +53,18 @@ func listingOf(t *testing.T, zone string) map[string]string {
 	return out
 }
 
+// wantListing fails the test unless the zone's listing shows each
+// "policy/key" of want with its "count refused".
+func wantListing(t *testing.T, zone string, want map[string]string) {
+	t.Helper()
+	got := listingOf(t, zone)
+	for k, w := range want {
+		if got[k] != w {
+			t.Errorf("%s listing %s = %q, want %q (count refused; all: %v)", zone, k, got[k], w, got)
+		}
+	}
+}
+
 // Several limits in one handler: every response names them all in
 // RateLimit-Policy and the binding one in the other headers; a request
 // refused by one limit is counted in none; a missing tenant is counted as
@@ -101,19 +113,14 @@ func TestPolicies(t *testing.T) {
 	// No tenant: counted as public.
 	wantStatus(t, get("203.0.113.5", ""), http.StatusOK)
 
-	got := listingOf(t, zone)
-	want := map[string]string{
+	wantListing(t, zone, map[string]string{
 		"e2e-policy/203.0.113.1": "2 0", "burst/203.0.113.1": "2 1",
 		"e2e-policy/203.0.113.2": "1 0", "burst/203.0.113.2": "1 0",
 		"e2e-policy/203.0.113.3": "1 0", "burst/203.0.113.3": "1 0",
 		"tenant/key:acme":        "4 1",
 		"e2e-policy/203.0.113.5": "1 0", "burst/203.0.113.5": "1 0", "tenant/key:public": "1 0",
-	}
-	for k, w := range want {
-		if got[k] != w {
-			t.Errorf("listing %s = %q, want %q (count refused)", k, got[k], w)
-		}
-	}
+	})
+	got := listingOf(t, zone)
 	// 203.0.113.4 was refused by the tenant before any count: it holds none.
 	for k := range got {
 		if strings.HasSuffix(k, "/203.0.113.4") && got[k] != "0 0" {

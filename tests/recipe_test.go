@@ -86,34 +86,24 @@ func TestRecipe(t *testing.T) {
 	}
 	wantStatus(t, resp, http.StatusTooManyRequests)
 	wantHeader(t, resp, "X-RateLimit-Limit", "10")
-	got := listingOf(t, "auth")
-	for k, want := range map[string]string{
+	wantListing(t, "auth", map[string]string{
 		"auth/203.0.113.32":                            "10 0",
 		"user/key:anonymous":                           "10 0",
 		"tenant/key:public":                            "10 0",
 		"route/key:203.0.113.32 /api/auth/login":       "10 0",
 		"route-burst/key:203.0.113.32 /api/auth/login": "10 1",
-	} {
-		if got[k] != want {
-			t.Errorf("auth listing %s = %q, want %q (all: %v)", k, got[k], want, got)
-		}
-	}
+	})
 
 	// Reads as alice of tenant acme: two user ids are one route.
 	wantStatus(t, do(http.MethodGet, "/api/v1/users/123", "203.0.113.33", "X-Tenant", "acme"), http.StatusOK)
 	wantStatus(t, do(http.MethodGet, "/api/v1/users/456/orders", "203.0.113.33", "X-Tenant", "acme"), http.StatusOK)
 	wantStatus(t, do(http.MethodGet, "/api/v1/users/789", "203.0.113.33", "X-Tenant", "acme"), http.StatusOK)
-	got = listingOf(t, "reads")
-	for k, want := range map[string]string{
+	wantListing(t, "reads", map[string]string{
 		"user/key:alice":  "3 0",
 		"tenant/key:acme": "3 0",
 		"route/key:203.0.113.33 /api/v1/users/:id":        "2 0",
 		"route/key:203.0.113.33 /api/v1/users/:id/orders": "1 0",
-	} {
-		if got[k] != want {
-			t.Errorf("reads listing %s = %q, want %q (all: %v)", k, got[k], want, got)
-		}
-	}
+	})
 
 	// Redis dies: auth fails closed, reads fail open.
 	srv.Stop()

@@ -38,32 +38,18 @@ http://www.test:$PORT {
 }`, zone)
 }
 
-// getHost sends a GET to the server with the given Host and headers and
-// returns the status and body.
-func (s *server) getHost(host string, headers ...string) (int, string) {
+// hostGet sends a GET of / to the site host and returns the status and body.
+func hostGet(s *server, host string, headers ...string) (int, string) {
 	s.t.Helper()
-	req, err := http.NewRequest(http.MethodGet, s.Base+"/", nil)
-	if err != nil {
-		s.t.Fatal(err)
-	}
-	req.Host = host
-	for i := 0; i+1 < len(headers); i += 2 {
-		req.Header.Set(headers[i], headers[i+1])
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		s.t.Fatalf("GET %s: %v", host, err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(body)
+	resp, body := s.getHost(host, "/", headers...)
+	return resp.StatusCode, body
 }
 
 // wantSitesAlive fails the test unless both sites answer and the running
 // config still holds them.
 func wantSitesAlive(t *testing.T, s *server) {
 	t.Helper()
-	if status, body := s.getHost("www.test"); status != http.StatusOK || body != "www" {
+	if status, body := hostGet(s, "www.test"); status != http.StatusOK || body != "www" {
 		t.Fatalf("www.test: %d %q, want 200 www", status, body)
 	}
 	status, cfg := admin(t, http.MethodGet, "/config/")
@@ -75,8 +61,8 @@ func wantSitesAlive(t *testing.T, s *server) {
 // blockHostile makes the hostile key go over its limit.
 func blockHostile(t *testing.T, s *server) {
 	t.Helper()
-	s.getHost("api.test", "X-API-Key", hostileKey)
-	if status, _ := s.getHost("api.test", "X-API-Key", hostileKey); status != http.StatusTooManyRequests {
+	hostGet(s, "api.test", "X-API-Key", hostileKey)
+	if status, _ := hostGet(s, "api.test", "X-API-Key", hostileKey); status != http.StatusTooManyRequests {
 		t.Fatalf("hostile key's second request: %d, want 429", status)
 	}
 }
@@ -138,7 +124,7 @@ func TestHostileKeyCannotSteerAdmin(t *testing.T) {
 				t.Fatalf("unblock answered %q, want forgotten key:%s", body, hostileKey)
 			}
 			wantSitesAlive(t, s)
-			if status, body := s.getHost("api.test", "X-API-Key", hostileKey); status != http.StatusOK || body != "api" {
+			if status, body := hostGet(s, "api.test", "X-API-Key", hostileKey); status != http.StatusOK || body != "api" {
 				t.Fatalf("hostile key after unblock: %d %q, want 200 api", status, body)
 			}
 		})
@@ -166,8 +152,8 @@ func TestNastyKeysListedFaithfully(t *testing.T) {
 	s := startCaddy(t, "", twoSites("e2e-nasty"))
 	markup := `<img src=x onerror=alert(1)>`
 	for _, k := range []string{"\xff\xfe", "\xfe\xff", markup} {
-		s.getHost("api.test", "X-API-Key", k)
-		if status, _ := s.getHost("api.test", "X-API-Key", k); status != http.StatusTooManyRequests {
+		hostGet(s, "api.test", "X-API-Key", k)
+		if status, _ := hostGet(s, "api.test", "X-API-Key", k); status != http.StatusTooManyRequests {
 			t.Fatalf("key %q: second request %d, want 429", k, status)
 		}
 	}
@@ -202,7 +188,7 @@ func TestNastyKeysListedFaithfully(t *testing.T) {
 	}
 	admitted := 0
 	for _, k := range []string{"\xff\xfe", "\xfe\xff"} {
-		if status, _ := s.getHost("api.test", "X-API-Key", k); status == http.StatusOK {
+		if status, _ := hostGet(s, "api.test", "X-API-Key", k); status == http.StatusOK {
 			admitted++
 		}
 	}
@@ -304,34 +290,40 @@ func TestConfigInputStrict(t *testing.T) {
 	wantSitesAlive(t, s)
 }
 
-// A reload that shortens the window refuses no key for longer than the new
-// window from the reload, however often the key comes back, in memory and in
-// Redis; the listing shows the new reset at once.
-func TestShortenedWindowEndsAtOnce(t *testing.T) {
-	srv := redistest.Start(t)
-	site := `
+// memoryAndRedis is a site with a memory zone at /memory and a Redis zone
+// at /redis, named prefix-memory and prefix-redis, each max per window.
+func memoryAndRedis(prefix, window string, max int, redisAddr string) string {
+	return fmt.Sprintf(`
 :$PORT {
 	handle /memory {
 		rate_limit {
-			zone e2e-shorten-memory
-			window %[1]s
-			max 2
+			zone %[1]s-memory
+			window %[2]s
+			max %[3]d
 		}
 		respond "ok"
 	}
 	handle /redis {
 		rate_limit {
-			zone e2e-shorten-redis
-			window %[1]s
-			max 2
+			zone %[1]s-redis
+			window %[2]s
+			max %[3]d
 			store redis {
-				address %[2]s
+				address %[4]s
 			}
 		}
 		respond "ok"
 	}
-}`
-	s := startCaddy(t, "", fmt.Sprintf(site, "120", srv.Addr))
+}`, prefix, window, max, redisAddr)
+}
+
+// A reload that shortens the window refuses no key for longer than the new
+// window from the reload, however often the key comes back, in memory and in
+// Redis; the listing shows the new reset at once.
+func TestShortenedWindowEndsAtOnce(t *testing.T) {
+	srv := redistest.Start(t)
+	site := func(window string) string { return memoryAndRedis("e2e-shorten", window, 2, srv.Addr) }
+	s := startCaddy(t, "", site("120"))
 	paths := []string{"/memory", "/redis"}
 	for _, p := range paths {
 		for i := range 3 {
@@ -342,7 +334,7 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 		}
 	}
 	time.Sleep(time.Second) // the window has run a while when the reload comes
-	s.reload("", fmt.Sprintf(site, "5", srv.Addr))
+	s.reload("", site("5"))
 	reloaded := time.Now()
 	latest := reloaded.Add(5*time.Second).Unix() + 1
 
@@ -411,29 +403,8 @@ func TestTrustedProxiesStrict(t *testing.T) {
 // Redis once the first request after the reload has started the cut.
 func TestShortenedWindowNearItsEnd(t *testing.T) {
 	srv := redistest.Start(t)
-	site := `
-:$PORT {
-	handle /memory {
-		rate_limit {
-			zone e2e-near-memory
-			window %[1]s
-			max 1
-		}
-		respond "ok"
-	}
-	handle /redis {
-		rate_limit {
-			zone e2e-near-redis
-			window %[1]s
-			max 1
-			store redis {
-				address %[2]s
-			}
-		}
-		respond "ok"
-	}
-}`
-	s := startCaddy(t, trustLoopback, fmt.Sprintf(site, "10", srv.Addr))
+	site := func(window string) string { return memoryAndRedis("e2e-near", window, 1, srv.Addr) }
+	s := startCaddy(t, trustLoopback, site("10"))
 	paths := []string{"/memory", "/redis"}
 	began := time.Now()
 	for _, p := range paths {
@@ -443,7 +414,7 @@ func TestShortenedWindowNearItsEnd(t *testing.T) {
 		}
 	}
 	time.Sleep(time.Until(began.Add(2 * time.Second)))
-	s.reload(trustLoopback, fmt.Sprintf(site, "5", srv.Addr))
+	s.reload(trustLoopback, site("5"))
 	reloaded := time.Now()
 	// Another client's request starts the Redis cut.
 	for _, p := range paths {
