@@ -164,10 +164,9 @@ func TestReloadKeepsCounts(t *testing.T) {
 	}
 }
 
-// With the peer trusted, X-Forwarded-For names the client; without, a spoofed
-// X-Forwarded-For changes nothing.
-func TestTrustedProxies(t *testing.T) {
-	site := `
+// clientIPSite limits the zone it is formatted with to 2 requests a minute
+// and answers with the client IP Caddy resolved.
+const clientIPSite = `
 :$PORT {
 	rate_limit {
 		zone %s
@@ -175,6 +174,11 @@ func TestTrustedProxies(t *testing.T) {
 	}
 	respond "{client_ip}"
 }`
+
+// With the peer trusted, X-Forwarded-For names the client; without, a spoofed
+// X-Forwarded-For changes nothing.
+func TestTrustedProxies(t *testing.T) {
+	site := clientIPSite
 	trusted := startCaddy(t, "servers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t}", fmt.Sprintf(site, "trusted"))
 	for _, ip := range []string{"203.0.113.1", "203.0.113.2", "203.0.113.3"} {
 		for i := 1; i <= 2; i++ {

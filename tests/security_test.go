@@ -369,14 +369,7 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 // header picks its key unless trusted_proxies_strict is set; with it, the key
 // is the address the proxy saw, as docs/security.md says.
 func TestTrustedProxiesStrict(t *testing.T) {
-	site := `
-:$PORT {
-	rate_limit {
-		zone %s
-		max 2
-	}
-	respond "{client_ip}"
-}`
+	site := clientIPSite
 	// The test client plays the proxy (127.0.0.1, trusted) that appended
 	// the client's real address, 203.0.113.50, to what the client sent.
 	forwarded := func(spoofed string) string { return spoofed + ", 203.0.113.50" }
