@@ -393,8 +393,8 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		rl.refused(checks[:n], out[:n])
 	}
 	ws := isWebSocket(r)
-	if allowed && ws {
-		return rl.serveWebSocket(w, r, next, checks[0].Key, v)
+	if ws && (allowed || rl.DryRun) {
+		return rl.serveWebSocket(w, r, next, checks[0].Key, v, allowed)
 	}
 	rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
 	if allowed || rl.DryRun {

@@ -112,11 +112,12 @@ func (z *zone) wsOpen(key string) int {
 	return z.ws.live[key]
 }
 
-// serveWebSocket passes an admitted WebSocket handshake on, holding one of
-// the key's connection slots for as long as next serves the socket (for
-// reverse_proxy, until the tunnel ends however it ends), or refuses it when
-// the key already has WSMaxConnectionsPerIP sockets open.
-func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v limiter.Verdict) error {
+// serveWebSocket passes an admitted WebSocket handshake (or one a dry run
+// lets through: allowed false) on, holding one of the key's connection
+// slots for as long as next serves the socket (for reverse_proxy, until the
+// tunnel ends however it ends), or refuses it when the key already has
+// WSMaxConnectionsPerIP sockets open.
+func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v limiter.Verdict, allowed bool) error {
 	z := rl.zone
 	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
 	if !ok {
@@ -141,7 +142,7 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 			fmt.Errorf("websocket connection limit reached: key %s in zone %q has %d open", key, rl.Zone, rl.WSMaxConnectionsPerIP))
 	}
 	defer release()
-	z.countVerdict(true, v.StoreError, false)
+	z.countVerdict(allowed, v.StoreError, rl.DryRun) // not allowed: a dry run lets it through
 	return next.ServeHTTP(w, r)
 }
 
