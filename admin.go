@@ -152,7 +152,7 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string
 		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
 	}
 	var found bool
-	if name, ok := params["policy"]; ok {
+	if name := params["policy"]; name != "" {
 		i := slices.IndexFunc(z.limits(), func(l namedLimit) bool { return l.name == name })
 		if i < 0 {
 			return apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", name, z.name))
@@ -245,7 +245,8 @@ type KeyInfo struct {
 	// Reset is when the current window ends, in Unix seconds.
 	Reset int64 `json:"reset"`
 	// Limited is true when the key's next request in this window would be
-	// refused.
+	// refused (for a sliding window, counting the previous window's weight,
+	// as Remaining does).
 	Limited bool `json:"limited"`
 	// Unblock is the admin path that forgets the key, escaped and ready to
 	// use: DELETE it on the admin endpoint.
@@ -398,7 +399,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
 		}
-		if q.limitedOnly && ks.Count < l.limit.Max {
+		if _, limited := l.limit.Weigh(ks, now); q.limitedOnly && !limited {
 			return true
 		}
 		total++
@@ -412,14 +413,15 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		l, _ := limitOf(ks.Name)
+		held, limited := l.limit.Weigh(ks, now)
 		out.Keys = append(out.Keys, KeyInfo{
 			Key:       ks.Key,
 			Policy:    l.name,
 			Count:     ks.Count,
 			Refused:   ks.Refused,
-			Remaining: max(l.limit.Max-ks.Count, 0),
+			Remaining: max(l.limit.Max-int(math.Ceil(held)), 0),
 			Reset:     ceilSeconds(ks.Reset.UnixNano()),
-			Limited:   ks.Count >= l.limit.Max,
+			Limited:   limited,
 			Unblock:   unblockPath(z.name, ks.Key),
 		})
 	}

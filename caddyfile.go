@@ -43,7 +43,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			key     <placeholder>         # default: the handler's key
 //			missing ip|reject|<value>     # default ip
 //		}]
-//		algorithm   fixed|sliding         # default fixed; sliding: memory store only
+//		algorithm   fixed|sliding         # default fixed
 //		dry_run                           # decide, log and count, but refuse nothing
 //		exempt      <cidr>...             # never counted nor limited
 //		status      <code>                # refusal status; default 429

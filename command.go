@@ -27,7 +27,7 @@ under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
   caddy rate-limit zones                  every zone: settings, keys, refusals
   caddy rate-limit top <zone>             the zone's busiest keys
         [--limited] [--prefix <p>] [--policy <name>] [-n <n>]
-  caddy rate-limit unblock <zone> <key>   forget the key now
+  caddy rate-limit unblock <zone> <key>   forget the key now [--policy <name>]
 
 The admin endpoint is found as 'caddy reload' finds it: --address if given,
 else the admin address of the --config file, else ` + "localhost:2019" + `.`,
@@ -47,10 +47,12 @@ else the admin address of the --config file, else ` + "localhost:2019" + `.`,
 			top.Flags().String("prefix", "", "Only keys starting with this prefix")
 			top.Flags().String("policy", "", "Only keys counted in this limit")
 			top.Flags().IntP("n", "n", 20, fmt.Sprintf("How many keys to list, 1 to %d", MaxPageSize))
+			unblock := &cobra.Command{Use: "unblock <zone> <key>", Short: "Forgets a key so its next request starts afresh", Args: cobra.ExactArgs(2), RunE: cmdUnblock}
+			unblock.Flags().String("policy", "", "Forget the key in this limit only (default: in every limit)")
 			cmd.AddCommand(
 				&cobra.Command{Use: "zones", Short: "Lists every zone", Args: cobra.NoArgs, RunE: cmdZones},
 				top,
-				&cobra.Command{Use: "unblock <zone> <key>", Short: "Forgets a key so its next request starts afresh", Args: cobra.ExactArgs(2), RunE: cmdUnblock},
+				unblock,
 			)
 		},
 	})
@@ -150,7 +152,11 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 
 func cmdUnblock(cmd *cobra.Command, args []string) error {
 	zone, key := args[0], args[1]
-	body, err := adminCall(cmd, http.MethodDelete, adminPrefix+url.PathEscape(zone)+"?key="+url.QueryEscape(key))
+	q := url.Values{"key": {key}}
+	if policy, _ := cmd.Flags().GetString("policy"); policy != "" {
+		q.Set("policy", policy)
+	}
+	body, err := adminCall(cmd, http.MethodDelete, adminPrefix+url.PathEscape(zone)+"?"+q.Encode())
 	if err != nil || printJSON(cmd, body) {
 		return err
 	}

@@ -157,8 +157,7 @@ type RateLimit struct {
 	// "fixed" windows (up to 2 x max can pass across a window edge) or
 	// "sliding" (the sliding-window counter: the previous window's count,
 	// weighted by how much of it still overlaps, plus the current one; at
-	// most about max in any window). Sliding is for the memory store
-	// only. Default: "fixed".
+	// most about max in any window), on either store. Default: "fixed".
 	Algorithm string `json:"algorithm,omitempty"`
 
 	// DryRun decides, sets the headers and placeholders, logs and counts
@@ -342,8 +341,12 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	ipKey := rl.ipKey(r)
-	n := len(rl.policies)
+	// Every limit's key first: a limit that rejects a request without its
+	// key wins whatever the order; a limit with no key at all (no client
+	// IP, missing ip) sits this request out.
 	var checks [limiter.MaxChecks]limiter.Check
+	var of [limiter.MaxChecks]int // the policy of each check
+	n := 0
 	for i := range rl.policies {
 		p := &rl.policies[i]
 		key, err := p.resolve(repl, ipKey)
@@ -352,10 +355,14 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 			return caddyhttp.Error(http.StatusBadRequest, err)
 		}
 		if key == "" {
-			return next.ServeHTTP(w, r) // no client IP to count it by
+			continue
 		}
-		checks[i] = p.check
-		checks[i].Key = key
+		checks[n], of[n] = p.check, i
+		checks[n].Key = key
+		n++
+	}
+	if n == 0 {
+		return next.ServeHTTP(w, r) // nothing to count it by
 	}
 
 	now := time.Now()
@@ -380,17 +387,17 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	v := out[m]
 	key := checks[m].Key
 	reset := ceilSeconds(v.Reset.UnixNano())
-	rl.setHeaders(w.Header(), &rl.policies[m], v, reset, now)
+	rl.setHeaders(w.Header(), &rl.policies[of[m]], v, reset, now)
 
 	repl.Set("http.rate_limit.zone", rl.zoneAny)
-	repl.Set("http.rate_limit.policy", rl.policies[m].name)
+	repl.Set("http.rate_limit.policy", rl.policies[of[m]].name)
 	repl.Set("http.rate_limit.key", key)
 	repl.Set("http.rate_limit.limit", v.Max)
 	repl.Set("http.rate_limit.remaining", v.Remaining)
 	repl.Set("http.rate_limit.reset", reset)
 	repl.Set("http.rate_limit.exceeded", !allowed)
 	if !allowed {
-		rl.refused(checks[:n], out[:n])
+		rl.refused(checks[:n], of[:n], out[:n])
 	}
 	ws := isWebSocket(r)
 	if ws && (allowed || rl.DryRun) {
@@ -415,12 +422,12 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 
 // refused tallies a refusal in each refusing limit and, for a key's first
 // refusal in a window, logs it and emits the event.
-func (rl *RateLimit) refused(checks []limiter.Check, out []limiter.Verdict) {
+func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Verdict) {
 	for i, v := range out {
 		if v.Allowed {
 			continue
 		}
-		p := &rl.policies[i]
+		p := &rl.policies[of[i]]
 		rl.zone.countRefusal(p.name)
 		if !v.FirstRefusal {
 			continue
@@ -552,8 +559,12 @@ func (rl *RateLimit) sharedSettings() string {
 	for i, l := range rl.Limits {
 		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window))
 	}
+	algorithm := rl.Algorithm
+	if algorithm == "" {
+		algorithm = AlgorithmFixed
+	}
 	return fmt.Sprintf("window=%s max=%d limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t store=%s",
-		time.Duration(rl.Window), rl.Max, strings.Join(limits, " "), rl.Algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
+		time.Duration(rl.Window), rl.Max, strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
 }
 
 // validZoneName reports whether name is a usable zone name: it appears in

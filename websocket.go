@@ -120,6 +120,12 @@ func (z *zone) wsOpen(key string) int {
 func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v limiter.Verdict, allowed bool) error {
 	z := rl.zone
 	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
+	if !ok && rl.DryRun {
+		// A dry run refuses nothing: the socket goes through, uncapped,
+		// and counts as what would have been refused.
+		z.count(resultDryRun)
+		return next.ServeHTTP(w, r)
+	}
 	if !ok {
 		z.count(resultLimited)
 		if c := rl.logger.Check(zapcore.DebugLevel, "websocket connection limit reached"); c != nil {
@@ -138,7 +144,7 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 		if rl.refuseWebSocket(w, r) {
 			return nil
 		}
-		return caddyhttp.Error(http.StatusTooManyRequests,
+		return caddyhttp.Error(rl.Status,
 			fmt.Errorf("websocket connection limit reached: key %s in zone %q has %d open", key, rl.Zone, rl.WSMaxConnectionsPerIP))
 	}
 	defer release()

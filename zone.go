@@ -266,19 +266,32 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 		}
 		return slices.ContainsFunc(rl.policies, func(p policy) bool { return p.check.Name == n })
 	}
+	take := func(i int) int {
+		z.slots[i] = name
+		if z.mem != nil {
+			z.mem.SetSlotName(i, name)
+		}
+		if z.redis != nil {
+			z.redis.SetSlotName(i, name)
+		}
+		return i
+	}
 	for i := 1; i < limiter.MaxChecks; i++ {
 		if z.slots[i] == "" || !inUse(z.slots[i]) {
-			z.slots[i] = name
-			if z.mem != nil {
-				z.mem.SetSlotName(i, name)
-			}
-			if z.redis != nil {
-				z.redis.SetSlotName(i, name)
-			}
-			return i
+			return take(i)
 		}
 	}
-	return limiter.MaxChecks - 1 // not reached: a handler has at most MaxChecks limits
+	// Every slot is held: the config being replaced and this one name more
+	// limits together than there are slots. Take one of a limit this
+	// config drops (there is one: a config has at most MaxChecks-1 limits
+	// past its first); what the old config's last requests count in it
+	// lands in the new limit, a moment's overlap.
+	for i := 1; i < limiter.MaxChecks; i++ {
+		if !slices.ContainsFunc(rl.policies, func(p policy) bool { return p.check.Name == z.slots[i] }) {
+			return take(i)
+		}
+	}
+	panic("rate_limit: no memory slot for limit " + name) // unreachable: see above
 }
 
 // release records that rl no longer uses the zone, and applies the settings

@@ -120,6 +120,9 @@ type KeyState struct {
 	Refused int
 	// Reset is when the current window ends.
 	Reset time.Time
+	// Prev is, for a sliding window, the requests admitted in the previous
+	// window, which still weigh on this one (Limit.Weigh); 0 otherwise.
+	Prev int
 	// Name is the limit the key is counted in: "" for a zone's first limit,
 	// else the name of its Check.
 	Name string
@@ -165,6 +168,17 @@ type Store interface {
 func (l Limit) sliding(prev, count int64, reset, t int64) float64 {
 	left := float64(reset-t) / float64(l.Window)
 	return float64(prev)*min(max(left, 0), 1) + float64(count)
+}
+
+// Weigh returns the requests the key's window holds against the limit at
+// now, and whether one more would be refused: its count, or for a sliding
+// window the weighted previous count plus the count.
+func (l Limit) Weigh(ks KeyState, now time.Time) (float64, bool) {
+	if !l.Sliding {
+		return float64(ks.Count), ks.Count >= l.Max
+	}
+	est := l.sliding(int64(ks.Prev), int64(ks.Count), ks.Reset.UnixNano(), now.UnixNano())
+	return est, est+1 > float64(l.Max)
 }
 
 // slidingWait returns how long after t a key of the sliding-window counter

@@ -444,7 +444,7 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 		for slot, m := range sh.entries {
 			for k, e := range m {
 				if t < e.reset {
-					batch = append(batch, KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Name: names[slot]})
+					batch = append(batch, KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot]})
 				}
 			}
 		}

@@ -221,16 +221,23 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 		return fmt.Errorf("redis store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
 	t := now.UnixNano()
+	var resets [MaxChecks]int64
+	cached := false
 	for i, c := range checks {
 		if reset, ok := s.refused.get(cacheKey(c.Name, c.Key), t, c.Limit); ok {
-			// One limit is known to refuse: so is the request, with
-			// no round trip. The other limits were not asked.
-			for j, o := range checks {
-				out[j] = Verdict{Allowed: true, Max: o.Limit.Max, Remaining: o.Limit.Max, Reset: now.Add(o.Limit.Window)}
-			}
-			out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, reset), RetryAfter: time.Duration(reset - t)}
-			return nil
+			resets[i], cached = reset, true
 		}
+	}
+	if cached {
+		// Limits known to refuse: so is the request, with no round trip.
+		// The others were not asked; their verdicts say only that.
+		for i, c := range checks {
+			out[i] = Verdict{Allowed: true, Max: c.Limit.Max, Remaining: c.Limit.Max, Reset: now.Add(c.Limit.Window)}
+			if r := resets[i]; r != 0 {
+				out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, r), RetryAfter: time.Duration(r - t)}
+			}
+		}
+		return nil
 	}
 	if s.state.Load() == stateDegraded {
 		return s.fallback(ctx, checks, now, out, ErrRedisDegraded)
@@ -348,9 +355,16 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 	return nil
 }
 
-// release gives back the counts reserved in each slot group. A failure is
-// logged: the counts then stand until their windows end.
+// release gives back the counts reserved in each slot group. It runs even
+// when the decision's own deadline has passed (a slow slot is why a
+// decision fails), with a deadline of its own. A failure is logged: the
+// counts then stand until their windows end.
 func (s *RedisStore) release(ctx context.Context, groups [][]string) {
+	if len(groups) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.slowTimeout())
+	defer cancel()
 	for _, keys := range groups {
 		if err := releaseScript.Run(ctx, s.client, keys).Err(); err != nil {
 			s.logger.Warn("giving back a refused request's counts", zap.Strings("keys", keys), zap.Error(err))
@@ -806,8 +820,8 @@ func (s *RedisStore) scanPages(ctx context.Context, c scanner, page func(ctx con
 // keys in one pipeline and passes the live ones to fn.
 func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now time.Time, fn func(KeyState) bool) error {
 	type row struct {
-		count, refused *redis.StringCmd
-		ttl            *redis.DurationCmd
+		count, refused, prev *redis.StringCmd
+		ttl                  *redis.DurationCmd
 	}
 	rows := make([]row, len(keys))
 	pipe := c.Pipeline()
@@ -816,6 +830,7 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 			count:   pipe.Get(ctx, k),
 			ttl:     pipe.PTTL(ctx, k),
 			refused: pipe.Get(ctx, strings.TrimSuffix(k, "c")+"r"),
+			prev:    pipe.Get(ctx, strings.TrimSuffix(k, "c")+"p"),
 		}
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
@@ -828,11 +843,12 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 			continue // expired between SCAN and GET
 		}
 		refused, _ := rows[i].refused.Int()
+		prev, _ := rows[i].prev.Int()
 		name, tag, ok := s.parseKey(k)
 		if !ok || tag == probeTag {
 			continue
 		}
-		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Reset: now.Add(ttl), Name: name}) {
+		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Prev: prev, Reset: now.Add(ttl), Name: name}) {
 			return errStopRange
 		}
 	}

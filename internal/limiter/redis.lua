@@ -35,7 +35,10 @@ for i = 1, n do
 		counts[i] = 0
 		if ttl > window then
 			states[i] = 'current'
-			lefts[i] = ttl - window
+			-- At most a window: a reload that shortened the window leaves
+			-- a longer time to live, which must not weigh the previous
+			-- count above one.
+			lefts[i] = math.min(ttl - window, window)
 			counts[i] = tonumber(redis.call('GET', c) or '0')
 			prevs[i] = tonumber(redis.call('GET', p) or '0')
 		elseif ttl > 0 then
@@ -93,12 +96,12 @@ for i = 1, n do
 		if admit then
 			start = 1
 		end
+		redis.call('SET', c, start, 'PX', left + window)
 		if state == 'roll' then
 			redis.call('SET', p, prevs[i], 'PX', left)
 		else
 			redis.call('DEL', p)
 		end
-		redis.call('SET', c, start, 'PX', left + window)
 		counts[i] = start
 		if not ok then
 			redis.call('SET', r, 1, 'PX', left)
