@@ -496,6 +496,7 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 // interval(); it returns when ctx is done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.RunSweeper(ctx, interval)
+	go s.listen(ctx)
 	tick := time.NewTicker(refusedFlushEvery)
 	defer tick.Stop()
 	for {
@@ -514,6 +515,67 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 			}
 		}
 	}
+}
+
+// unblockChannel is the Redis channel on which the instances sharing the
+// zone announce the keys an unblock forgot, so that each drops them from its
+// in-process caches at once rather than when their windows would end.
+func (s *RedisStore) unblockChannel() string { return s.prefix + "unblocked" }
+
+// listen drops from the in-process caches every key another instance (or
+// this one) announces as unblocked, until ctx is done. The client
+// resubscribes after a lost connection by itself; announcements made
+// meanwhile are lost, so on every resubscription the refused cache is
+// emptied: the next decision of each key goes to Redis, which is never
+// stale.
+func (s *RedisStore) listen(ctx context.Context) {
+	ps := s.client.Subscribe(ctx, s.unblockChannel())
+	defer ps.Close()
+	subscribed := false
+	for {
+		msg, err := ps.Receive(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			select { // the next Receive reconnects; do not spin while Redis is away
+			case <-ctx.Done():
+				return
+			case <-time.After(s.probeEvery):
+			}
+			continue
+		}
+		switch m := msg.(type) {
+		case *redis.Subscription:
+			if m.Kind == "subscribe" {
+				if subscribed {
+					s.refused.forgetFunc(func(string) bool { return true })
+				}
+				subscribed = true
+			}
+		case *redis.Message:
+			name, tag, _ := strings.Cut(m.Payload, "\x00")
+			s.dropCached(name, tag)
+		}
+	}
+}
+
+// dropCached drops the key whose tag (the key, or its hash) is tag from the
+// named limit's refused cache and from the local fallback store.
+func (s *RedisStore) dropCached(name, tag string) {
+	if s.hashKey == nil {
+		s.refused.forget(cacheKey(name, tag))
+		for slot := range MaxChecks {
+			if s.local.slotName(slot) == name {
+				_, _ = s.local.ForgetCheck(context.Background(), Check{Slot: slot, Key: tag})
+			}
+		}
+		return
+	}
+	s.refused.forgetFunc(func(k string) bool {
+		n, key := splitCacheKey(k)
+		return n == name && s.tag(key) == tag
+	})
 }
 
 // flushRefused adds the refusals the in-process cache answered since the
@@ -894,6 +956,12 @@ func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 			return found, fmt.Errorf("deleting redis key %q: %w", base+"c", err)
 		}
 		found = found || n > 0
+		if n > 0 {
+			// Every instance drops the key from its caches (listen).
+			if err := s.client.Publish(ctx, s.unblockChannel(), c.Name+"\x00"+tag).Err(); err != nil {
+				s.logger.Warn("announcing an unblock to the other instances", zap.Error(err))
+			}
+		}
 	}
 	return found, nil
 }
