@@ -38,6 +38,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		enabled     true|false            # default true; false passes everything at no cost
 //		ws_max_connections_per_ip <n>     # default unlimited                        (alias: wsMaxConnectionsPerIp)
 //		ws_reject   close|status          # default close: 1013 Try Again Later; status: 429
+//		ws_lease_ttl <duration>           # Redis zones: a dead instance's sockets lapse after it; default 30s
 //		missing     ip|reject|<value>     # when key resolves empty; default ip
 //		limit <name> <max> <window> [{    # repeatable: more limits, all judged at once
 //			key     <placeholder>         # default: the handler's key
@@ -144,6 +145,8 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.Status, err = parseInt(d, opt, val, 1)
 		case "ws_reject":
 			rl.WSReject = val
+		case "ws_lease_ttl":
+			rl.WSLeaseTTL, err = parseDuration(d, opt, val)
 		default:
 			return d.Errf("unrecognized rate_limit subdirective %q", opt)
 		}

@@ -39,6 +39,10 @@ const (
 	// MaxWindow is the longest window accepted.
 	MaxWindow = 366 * 24 * time.Hour
 
+	// DefaultWSLeaseTTL is how long a WebSocket's lease in Redis lasts
+	// unless renewed.
+	DefaultWSLeaseTTL = 30 * time.Second
+
 	// MaxRequests is the highest max accepted.
 	MaxRequests = 1_000_000_000
 
@@ -122,10 +126,20 @@ type RateLimit struct {
 
 	// WSMaxConnectionsPerIP caps the WebSockets each key (the client IP, or
 	// the custom key) may have open at once through the zone; a handshake
-	// past the cap is refused as WSReject says. The count is per Caddy
-	// process: a cap across instances belongs to the edge. 0 means no cap.
-	// Default: 0 (unlimited).
+	// past the cap is refused as WSReject says. In a memory zone the count
+	// is per Caddy process; in a Redis zone it is across every instance
+	// sharing the Redis (each open socket holds a lease, see WSLeaseTTL),
+	// and while Redis fails it falls back as on_error says: per process
+	// (local), no cap (allow) or refused (deny). 0 means no cap. Default: 0
+	// (unlimited).
 	WSMaxConnectionsPerIP int `json:"ws_max_connections_per_ip,omitempty"`
+
+	// WSLeaseTTL is, on a zone with the Redis store, how long an open
+	// WebSocket's lease on its key's share of WSMaxConnectionsPerIP lasts
+	// unless renewed (every third of it, while the socket lives): the
+	// sockets of an instance that dies stop counting after this long. From
+	// 3s to 1h. Default: 30s.
+	WSLeaseTTL caddy.Duration `json:"ws_lease_ttl,omitempty"`
 
 	// WSReject is how a WebSocket handshake over the rate or over
 	// WSMaxConnectionsPerIP is refused: "close" completes the handshake and
@@ -240,6 +254,9 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 	if rl.GCInterval == 0 {
 		rl.GCInterval = caddy.Duration(DefaultGCInterval)
+	}
+	if rl.WSLeaseTTL == 0 {
+		rl.WSLeaseTTL = caddy.Duration(DefaultWSLeaseTTL)
 	}
 	if rl.WSReject == "" {
 		rl.WSReject = WSRejectClose
@@ -532,6 +549,9 @@ func (rl *RateLimit) check() error {
 	}
 	if g := time.Duration(rl.GCInterval); g < 0 || (g > 0 && g < time.Second) {
 		errs = append(errs, fmt.Errorf("invalid gc_interval %s: must be at least 1s", g))
+	}
+	if d := time.Duration(rl.WSLeaseTTL); d != 0 && (d < 3*time.Second || d > time.Hour) {
+		errs = append(errs, fmt.Errorf("invalid ws_lease_ttl %s: must be from 3s to 1h", d))
 	}
 	if rl.WSMaxConnectionsPerIP < 0 {
 		errs = append(errs, fmt.Errorf("invalid ws_max_connections_per_ip %d: must be at least 1, or 0 for no cap", rl.WSMaxConnectionsPerIP))

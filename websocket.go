@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"bufio"
+	"context"
 	"encoding/base64"
 	"fmt"
 	"net"
@@ -116,17 +117,44 @@ func (z *zone) wsOpen(key string) int {
 // lets through: allowed false) on, holding one of the key's connection
 // slots for as long as next serves the socket (for reverse_proxy, until the
 // tunnel ends however it ends), or refuses it when the key already has
-// WSMaxConnectionsPerIP sockets open.
+// WSMaxConnectionsPerIP sockets open: in this process, or on a Redis zone
+// across every instance sharing the Redis (a lease per socket).
 func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v limiter.Verdict, allowed bool) error {
 	z := rl.zone
-	release, ok := z.wsAcquire(key, rl.WSMaxConnectionsPerIP)
+	localCap := rl.WSMaxConnectionsPerIP
+	var lease limiter.Lease
+	leased, ok := false, true
+	if z.redis != nil && localCap > 0 {
+		l, got, err := z.redis.AcquireLease(r.Context(), key, localCap, time.Duration(rl.WSLeaseTTL))
+		switch {
+		case err == nil:
+			lease, leased, ok = l, got, got
+			localCap = 0 // the fleet counts it; this process only tracks it
+		case z.redis.OnError() == limiter.OnErrorAllow:
+			localCap = 0
+		case z.redis.OnError() == limiter.OnErrorDeny:
+			ok = false
+		default:
+			// on_error local: the cap falls back to this process.
+		}
+	}
+	var release func()
+	if ok {
+		release, ok = z.wsAcquire(key, localCap)
+	}
 	if !ok && rl.DryRun {
 		// A dry run refuses nothing: the socket goes through, uncapped,
 		// and counts as what would have been refused.
 		z.count(resultDryRun)
+		if leased {
+			defer rl.keepLease(lease)()
+		}
 		return next.ServeHTTP(w, r)
 	}
 	if !ok {
+		if leased {
+			rl.dropLease(lease)
+		}
 		z.count(resultLimited)
 		if c := rl.logger.Check(zapcore.DebugLevel, "websocket connection limit reached"); c != nil {
 			c.Write(
@@ -148,8 +176,46 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 			fmt.Errorf("websocket connection limit reached: key %s in zone %q has %d open", key, rl.Zone, rl.WSMaxConnectionsPerIP))
 	}
 	defer release()
+	if leased {
+		defer rl.keepLease(lease)()
+	}
 	z.countVerdict(allowed, v.StoreError, rl.DryRun) // not allowed: a dry run lets it through
 	return next.ServeHTTP(w, r)
+}
+
+// keepLease renews l every third of its time to live until the returned
+// function is called, which gives it back.
+func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
+	ttl := time.Duration(rl.WSLeaseTTL)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(ttl / 3)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				if _, err := rl.zone.redis.RenewLease(ctx, l, ttl); err != nil && ctx.Err() == nil {
+					rl.logger.Debug("renewing a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
+				}
+			}
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+		rl.dropLease(l)
+	}
+}
+
+// dropLease gives l back; if Redis does not answer, it lapses by itself.
+func (rl *RateLimit) dropLease(l limiter.Lease) {
+	if err := rl.zone.redis.ReleaseLease(context.Background(), l); err != nil {
+		rl.logger.Debug("giving back a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
+	}
 }
 
 // refuseWebSocket turns a WebSocket handshake away with a close 1013 Try

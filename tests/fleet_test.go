@@ -1,10 +1,15 @@
 package tests
 
 import (
+	"context"
 	"fmt"
 	"net/http"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/coder/websocket"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
@@ -58,4 +63,78 @@ func TestFleetUnblockEverywhere(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("the other instance admitted the key %s after the unblock", time.Since(start).Round(time.Millisecond))
+}
+
+// The socket cap of a Redis zone counts across the fleet: with a cap of 2,
+// two sockets through instance P leave none for instance I (close 1013);
+// closing one on P lets I open one; killing P with SIGKILL frees its other
+// socket's lease within ws_lease_ttl.
+func TestFleetSocketCap(t *testing.T) {
+	srv := redistest.Start(t)
+	backend := startEchoBackend(t)
+	site := wsSite(backend, fmt.Sprintf(`zone e2e-fleet-ws
+		max 100
+		ws_max_connections_per_ip 2
+		ws_lease_ttl 3s
+		store redis {
+			address %s
+		}`, srv.Addr), "")
+	in := startCaddy(t, "", site)
+	port := freePort()
+	cfg := fmt.Sprintf(globals, freePort(), port, freePort(), "") + strings.ReplaceAll(site, "$PORT", fmt.Sprint(port))
+	base, proc := runCaddyCmd(t, cfg, port)
+	p := &server{t: t, Base: base}
+
+	c1, _ := p.mustDialWS("/")
+	wantEcho(t, c1, "one")
+	c2, _ := p.mustDialWS("/")
+	wantEcho(t, c2, "two")
+	in.wantTryAgainLater("/", nil)
+
+	c1.Close(websocket.StatusNormalClosure, "done")
+	var c3 *websocket.Conn
+	deadline := time.Now().Add(5 * time.Second)
+	for c3 == nil {
+		c, _, err := in.dialWS("/", nil)
+		if err == nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			err = c.Write(ctx, websocket.MessageText, []byte("three"))
+			if err == nil {
+				_, msg, rerr := c.Read(ctx)
+				if rerr == nil && string(msg) == "three" {
+					c3 = c
+				}
+			}
+			cancel()
+		}
+		if c3 == nil && time.Now().After(deadline) {
+			t.Fatal("instance I could not open a socket after P closed one")
+		}
+	}
+	defer c3.CloseNow()
+	in.wantTryAgainLater("/", nil) // P's second socket and I's one: full
+
+	// P dies without giving back its lease; it lapses within ws_lease_ttl.
+	killed := time.Now()
+	if err := proc.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		c, _, err := in.dialWS("/", nil)
+		if err == nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			werr := c.Write(ctx, websocket.MessageText, []byte("four"))
+			_, msg, rerr := c.Read(ctx)
+			cancel()
+			c.CloseNow()
+			if werr == nil && rerr == nil && string(msg) == "four" {
+				t.Logf("the killed instance's lease lapsed %s after SIGKILL", time.Since(killed).Round(100*time.Millisecond))
+				break
+			}
+		}
+		if time.Since(killed) > 5*time.Second {
+			t.Fatal("the killed instance's lease still counts 5 s after SIGKILL (ws_lease_ttl 3s)")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
 }

@@ -64,6 +64,14 @@ func startCaddyProcess(t *testing.T, site string) string {
 // when the test ends.
 func runCaddyProcess(t *testing.T, cfg string, port int) string {
 	t.Helper()
+	base, _ := runCaddyCmd(t, cfg, port)
+	return base
+}
+
+// runCaddyCmd is runCaddyProcess that also returns the process, for tests
+// that kill it.
+func runCaddyCmd(t *testing.T, cfg string, port int) (string, *exec.Cmd) {
+	t.Helper()
 	bin, err := caddyBinary()
 	if err != nil {
 		t.Fatal(err)
@@ -87,7 +95,7 @@ func runCaddyProcess(t *testing.T, cfg string, port int) string {
 		conn, err := net.DialTimeout("tcp", addr, 100*time.Millisecond)
 		if err == nil {
 			conn.Close()
-			return "http://" + addr
+			return "http://" + addr, cmd
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("caddy process did not listen on %s: %v", addr, err)

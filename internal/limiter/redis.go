@@ -3,6 +3,7 @@ package limiter
 import (
 	"context"
 	"crypto/hmac"
+	"crypto/rand"
 	"crypto/sha256"
 	_ "embed"
 	"encoding/hex"
@@ -36,6 +37,14 @@ var hitScript = redis.NewScript(hitSource)
 var releaseSource string
 
 var releaseScript = redis.NewScript(releaseSource)
+
+// leaseScript takes, renews and gives back WebSocket leases: see
+// redis_lease.lua.
+//
+//go:embed redis_lease.lua
+var leaseSource string
+
+var leaseScript = redis.NewScript(leaseSource)
 
 // What a RedisStore does when Redis fails or is too slow to answer.
 const (
@@ -516,6 +525,52 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 		}
 	}
 }
+
+// Lease is one open WebSocket's hold on its key's share of a socket cap
+// that every instance sharing the Redis counts together. Its zero value holds
+// nothing.
+type Lease struct {
+	key, id string
+}
+
+// AcquireLease takes one of key's at most maxOpen leases for ttl, unless
+// key holds maxOpen unexpired leases already (ok false). Keep it with
+// RenewLease more often than ttl and give it back with ReleaseLease; the
+// lease of an instance that dies lapses after ttl. An error means Redis did
+// not answer (the caller falls back as on_error says).
+func (s *RedisStore) AcquireLease(ctx context.Context, key string, maxOpen int, ttl time.Duration) (Lease, bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+	defer cancel()
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return Lease{}, false, err
+	}
+	l := Lease{key: s.base("", s.tag(key)) + "ws", id: hex.EncodeToString(b[:])}
+	n, err := leaseScript.Run(ctx, s.client, []string{l.key}, "acquire", l.id, ttl.Milliseconds(), maxOpen).Int()
+	if err != nil {
+		return Lease{}, false, err
+	}
+	return l, n == 1, nil
+}
+
+// RenewLease extends l by ttl from now. It reports false when the lease has
+// lapsed (another instance may have taken its place).
+func (s *RedisStore) RenewLease(ctx context.Context, l Lease, ttl time.Duration) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	defer cancel()
+	n, err := leaseScript.Run(ctx, s.client, []string{l.key}, "renew", l.id, ttl.Milliseconds(), 0).Int()
+	return n == 1, err
+}
+
+// ReleaseLease gives l back.
+func (s *RedisStore) ReleaseLease(ctx context.Context, l Lease) error {
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	defer cancel()
+	return leaseScript.Run(ctx, s.client, []string{l.key}, "release", l.id, 0, 0).Err()
+}
+
+// OnError returns what the store does when Redis fails.
+func (s *RedisStore) OnError() string { return *s.onError.Load() }
 
 // unblockChannel is the Redis channel on which the instances sharing the
 // zone announce the keys an unblock forgot, so that each drops them from its
