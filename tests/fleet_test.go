@@ -5,11 +5,13 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/coder/websocket"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
@@ -138,3 +140,105 @@ func TestFleetSocketCap(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 	}
 }
+
+// A Sentinel failover under traffic: the master dies, decisions keep
+// flowing (on_error local decides while Redis cannot), the zone reports
+// its health going down and back, and once the Sentinel has promoted the
+// replica the decisions go to the new master.
+func TestSentinelFailover(t *testing.T) {
+	sn := redistest.StartSentinel(t)
+	const zone = "e2e-sentinel"
+	s := startCaddy(t, "", fmt.Sprintf(`
+:$PORT {
+	rate_limit {
+		zone %s
+		window 60
+		max 1000000
+		key {http.request.header.X-Client}
+		store redis {
+			address %s
+			master_name %s
+			timeout 200ms
+			on_error local
+		}
+	}
+	respond "ok"
+}`, zone, sn.Addr, redistest.SentinelMaster))
+
+	var mu sync.Mutex
+	statuses := map[int]int{}
+	healths := []string{}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			req, _ := http.NewRequest(http.MethodGet, s.Base+"/", nil)
+			req.Header.Set("X-Client", fmt.Sprintf("c%d", i%10))
+			resp, err := client.Do(req)
+			mu.Lock()
+			if err != nil {
+				statuses[-1]++
+			} else {
+				statuses[resp.StatusCode]++
+				resp.Body.Close()
+			}
+			mu.Unlock()
+		}
+	})
+	health := func() string {
+		h, _ := zoneSummary(t, zone)["health"].(string)
+		mu.Lock()
+		if len(healths) == 0 || healths[len(healths)-1] != h {
+			healths = append(healths, h)
+		}
+		mu.Unlock()
+		return h
+	}
+	time.Sleep(300 * time.Millisecond)
+	if h := health(); h != limiterHealthy {
+		t.Fatalf("before the failover: health %q", h)
+	}
+
+	sn.Master.Stop()
+	killed := time.Now()
+	sawDown := false
+	for {
+		h := health()
+		sawDown = sawDown || h != limiterHealthy
+		if sawDown && h == limiterHealthy {
+			break
+		}
+		if time.Since(killed) > 30*time.Second {
+			t.Fatalf("no failover within 30 s: health went %v", healths)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("healthy again %s after the master died (health %v)", time.Since(killed).Round(100*time.Millisecond), healths)
+
+	// Decisions now go to the promoted replica.
+	rc := redis.NewClient(&redis.Options{Addr: sn.Replica.Addr})
+	defer rc.Close()
+	key := "caddy_rate_limit:" + zone + ":{key:c0}:c"
+	before, _ := rc.Get(context.Background(), key).Int()
+	time.Sleep(500 * time.Millisecond)
+	after, _ := rc.Get(context.Background(), key).Int()
+	close(stop)
+	wg.Wait()
+	info, _ := rc.Info(context.Background(), "replication").Result()
+	if !strings.Contains(info, "role:master") || after <= before {
+		t.Errorf("the promoted replica: %q, count of c0 %d then %d; want a master counting the traffic", strings.SplitN(info, "\n", 3)[1], before, after)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(statuses) != 1 || statuses[http.StatusOK] == 0 {
+		t.Errorf("answers during the failover: %v, want only 200s", statuses)
+	}
+}
+
+// limiterHealthy is the health a zone reports while Redis answers.
+const limiterHealthy = "HEALTHY"
