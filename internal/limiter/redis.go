@@ -133,6 +133,8 @@ type RedisStore struct {
 	local   *MemoryStore // the on_error local fallback
 	refused refusedCache
 	names   atomic.Pointer[[]string] // the zone's limits past the first
+	used    chan struct{}            // closed at the first decision or unblock
+	useOnce sync.Once
 	logger  *zap.Logger
 
 	state      atomic.Int32
@@ -157,6 +159,7 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 		local:      NewMemoryStore(opts.MaxTracked),
 		logger:     opts.Logger,
 		wake:       make(chan struct{}, 1),
+		used:       make(chan struct{}),
 		probeEvery: defaultProbeEvery,
 	}
 	s.refused.init(opts.MaxTracked)
@@ -229,6 +232,7 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	if n > MaxChecks || len(out) < n {
 		return fmt.Errorf("redis store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
+	s.markUsed()
 	t := now.UnixNano()
 	var resets [MaxChecks]int64
 	cached := false
@@ -505,7 +509,16 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 // interval(); it returns when ctx is done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.RunSweeper(ctx, interval)
-	go s.listen(ctx)
+	go func() {
+		// Nothing connects before the store is used: a config that is
+		// only validated never subscribes.
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.used:
+		}
+		s.listen(ctx)
+	}()
 	tick := time.NewTicker(refusedFlushEvery)
 	defer tick.Stop()
 	for {
@@ -579,14 +592,13 @@ func (s *RedisStore) unblockChannel() string { return s.prefix + "unblocked" }
 
 // listen drops from the in-process caches every key another instance (or
 // this one) announces as unblocked, until ctx is done. The client
-// resubscribes after a lost connection by itself; announcements made
-// meanwhile are lost, so on every resubscription the refused cache is
-// emptied: the next decision of each key goes to Redis, which is never
-// stale.
+// resubscribes after a lost connection by itself; announcements made while
+// not subscribed are lost, so on every subscription, the first included,
+// the refused cache is emptied: the next decision of each key goes to
+// Redis, which is never stale.
 func (s *RedisStore) listen(ctx context.Context) {
 	ps := s.client.Subscribe(ctx, s.unblockChannel())
 	defer ps.Close()
-	subscribed := false
 	for {
 		msg, err := ps.Receive(ctx)
 		if err != nil {
@@ -603,10 +615,9 @@ func (s *RedisStore) listen(ctx context.Context) {
 		switch m := msg.(type) {
 		case *redis.Subscription:
 			if m.Kind == "subscribe" {
-				if subscribed {
-					s.refused.forgetFunc(func(string) bool { return true })
-				}
-				subscribed = true
+				// What was cached before this (re)subscription may have
+				// been unblocked unheard.
+				s.refused.forgetFunc(func(string) bool { return true })
 			}
 		case *redis.Message:
 			name, tag, _ := strings.Cut(m.Payload, "\x00")
@@ -988,8 +999,13 @@ func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
 	return found, nil
 }
 
+// markUsed records that the store is in use, which starts its
+// subscription to the unblock channel (Run).
+func (s *RedisStore) markUsed() { s.useOnce.Do(func() { close(s.used) }) }
+
 // ForgetCheck implements Store.
 func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
+	s.markUsed()
 	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	tags := []string{s.tag(c.Key)}
