@@ -125,15 +125,23 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 	var lease limiter.Lease
 	leased, ok := false, true
 	if z.redis != nil && localCap > 0 {
-		l, got, err := z.redis.AcquireLease(r.Context(), key, localCap, time.Duration(rl.WSLeaseTTL))
+		var err error
+		if z.redis.Degraded() {
+			err = limiter.ErrRedisDegraded // decided without waiting on Redis, as Decide does
+		} else {
+			var got bool
+			lease, got, err = z.redis.AcquireLease(r.Context(), key, localCap, time.Duration(rl.WSLeaseTTL))
+			leased, ok = err == nil && got, err != nil || got
+		}
 		switch {
 		case err == nil:
-			lease, leased, ok = l, got, got
 			localCap = 0 // the fleet counts it; this process only tracks it
 		case z.redis.OnError() == limiter.OnErrorAllow:
 			localCap = 0
-		case z.redis.OnError() == limiter.OnErrorDeny:
-			ok = false
+		case z.redis.OnError() == limiter.OnErrorDeny && !rl.DryRun:
+			z.count(resultDegradedDenied)
+			w.Header().Set("Retry-After", "1")
+			return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: websocket lease: %w", rl.Zone, err))
 		default:
 			// on_error local: the cap falls back to this process.
 		}
@@ -146,15 +154,9 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 		// A dry run refuses nothing: the socket goes through, uncapped,
 		// and counts as what would have been refused.
 		z.count(resultDryRun)
-		if leased {
-			defer rl.keepLease(lease)()
-		}
 		return next.ServeHTTP(w, r)
 	}
 	if !ok {
-		if leased {
-			rl.dropLease(lease)
-		}
 		z.count(resultLimited)
 		if c := rl.logger.Check(zapcore.DebugLevel, "websocket connection limit reached"); c != nil {
 			c.Write(
@@ -198,8 +200,12 @@ func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
 			case <-ctx.Done():
 				return
 			case <-tick.C:
-				if _, err := rl.zone.redis.RenewLease(ctx, l, ttl); err != nil && ctx.Err() == nil {
+				lost, err := rl.zone.redis.RenewLease(ctx, l, ttl)
+				switch {
+				case err != nil && ctx.Err() == nil:
 					rl.logger.Debug("renewing a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
+				case lost:
+					rl.logger.Info("a websocket lease lost in redis was taken again", zap.String("zone", rl.Zone))
 				}
 			}
 		}

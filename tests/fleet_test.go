@@ -108,9 +108,15 @@ func TestFleetSocketCap(t *testing.T) {
 				}
 			}
 			cancel()
+			if c3 == nil {
+				c.CloseNow()
+			}
 		}
 		if c3 == nil && time.Now().After(deadline) {
 			t.Fatal("instance I could not open a socket after P closed one")
+		}
+		if c3 == nil {
+			time.Sleep(100 * time.Millisecond)
 		}
 	}
 	defer c3.CloseNow()

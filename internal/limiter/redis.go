@@ -561,19 +561,26 @@ func (s *RedisStore) AcquireLease(ctx context.Context, key string, maxOpen int, 
 	l := Lease{key: s.base("", s.tag(key)) + "ws", id: hex.EncodeToString(b[:])}
 	n, err := leaseScript.Run(ctx, s.client, []string{l.key}, "acquire", l.id, ttl.Milliseconds(), maxOpen).Int()
 	if err != nil {
+		// The script may have run with its reply lost: give the lease
+		// back rather than let it hold a place until it lapses.
+		go func() { _ = s.ReleaseLease(context.Background(), l) }()
 		return Lease{}, false, err
 	}
 	return l, n == 1, nil
 }
 
-// RenewLease extends l by ttl from now. It reports false when the lease has
-// lapsed (another instance may have taken its place).
-func (s *RedisStore) RenewLease(ctx context.Context, l Lease, ttl time.Duration) (bool, error) {
+// RenewLease extends l by ttl from now. A lease Redis lost (a failover, a
+// restart) is taken again, over the cap if need be, since its socket still
+// lives; lost reports that.
+func (s *RedisStore) RenewLease(ctx context.Context, l Lease, ttl time.Duration) (lost bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	n, err := leaseScript.Run(ctx, s.client, []string{l.key}, "renew", l.id, ttl.Milliseconds(), 0).Int()
-	return n == 1, err
+	return n == 2, err
 }
+
+// Degraded reports whether the store is DEGRADED: it does not wait on Redis.
+func (s *RedisStore) Degraded() bool { return s.state.Load() == stateDegraded }
 
 // ReleaseLease gives l back.
 func (s *RedisStore) ReleaseLease(ctx context.Context, l Lease) error {
@@ -598,12 +605,24 @@ func (s *RedisStore) unblockChannel() string { return s.prefix + "unblocked" }
 // Redis, which is never stale.
 func (s *RedisStore) listen(ctx context.Context) {
 	ps := s.client.Subscribe(ctx, s.unblockChannel())
+	// Receive does not return when ctx ends: closing the subscription
+	// makes it.
+	stop := context.AfterFunc(ctx, func() { _ = ps.Close() })
+	defer stop()
 	defer ps.Close()
+	failing := false
 	for {
 		msg, err := ps.Receive(ctx)
+		if ctx.Err() != nil {
+			return
+		}
 		if err != nil {
-			if ctx.Err() != nil {
-				return
+			if !failing {
+				// Once per outage: a NOPERM (a Redis user without
+				// channel rights) would otherwise fail silently.
+				s.logger.Warn("unblock channel: other instances' unblocks are not heard until it works again",
+					zap.String("channel", s.unblockChannel()), zap.Error(err))
+				failing = true
 			}
 			select { // the next Receive reconnects; do not spin while Redis is away
 			case <-ctx.Done():
@@ -612,11 +631,16 @@ func (s *RedisStore) listen(ctx context.Context) {
 			}
 			continue
 		}
+		failing = false
 		switch m := msg.(type) {
 		case *redis.Subscription:
 			if m.Kind == "subscribe" {
 				// What was cached before this (re)subscription may have
-				// been unblocked unheard.
+				// been unblocked unheard. Its pending refusal tallies go
+				// to Redis first.
+				fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+				_ = s.flushRefused(fctx, time.Now())
+				cancel()
 				s.refused.forgetFunc(func(string) bool { return true })
 			}
 		case *redis.Message:
@@ -984,9 +1008,8 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 }
 
 // Forget implements Store: it forgets key in every limit of the zone. key is
-// a client key or, with hashed keys, the hash Range lists. Other Caddy
-// instances may still refuse the key from their local cache until its
-// window would have reset.
+// a client key or, with hashed keys, the hash Range lists. The other Caddy
+// instances sharing the Redis hear of it on the unblock channel (listen).
 func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
 	found := false
 	for slot, name := range s.limitNames() {

@@ -721,3 +721,72 @@ func BenchmarkRedisHit(b *testing.B) {
 		}
 	})
 }
+
+// Leases: the cap holds, a lease Redis lost is taken again at its renewal
+// (its socket still lives), the set lives as long as its longest lease,
+// and a released lease frees its place.
+func TestRedisLeases(t *testing.T) {
+	srv := redistest.Start(t)
+	if srv.Kind != redistest.KindReal {
+		t.Skipf("%s has no TIME in scripts", srv.Kind)
+	}
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	ctx := context.Background()
+	long, ok, err := s.AcquireLease(ctx, "k", 2, time.Hour)
+	if err != nil || !ok {
+		t.Fatalf("first lease: %v %v", ok, err)
+	}
+	short, ok, _ := s.AcquireLease(ctx, "k", 2, 3*time.Second)
+	if !ok {
+		t.Fatal("second lease refused under a cap of 2")
+	}
+	if _, ok, _ := s.AcquireLease(ctx, "k", 2, time.Hour); ok {
+		t.Fatal("a third lease admitted over a cap of 2")
+	}
+	if err := s.ReleaseLease(ctx, short); err != nil {
+		t.Fatal(err)
+	}
+	if ttl := client.PTTL(ctx, long.key).Val(); ttl < 59*time.Minute {
+		t.Fatalf("the set expires in %s with an hour-long lease in it", ttl)
+	}
+	// Redis loses everything (a restart without persistence).
+	client.FlushAll(ctx)
+	if lost, err := s.RenewLease(ctx, long, time.Hour); err != nil || !lost {
+		t.Fatalf("renewing a lost lease: lost %v, %v", lost, err)
+	}
+	if n := client.ZCard(ctx, long.key).Val(); n != 1 {
+		t.Fatalf("after the renewal the set holds %d leases, want the renewed one", n)
+	}
+}
+
+// The unblock subscription ends with the store: no goroutine or connection
+// is left behind a zone that is gone.
+func TestRedisListenStops(t *testing.T) {
+	srv := redistest.Start(t)
+	if srv.Kind != redistest.KindReal {
+		t.Skipf("%s keeps no pub/sub counts", srv.Kind)
+	}
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer client.Close()
+	s := NewRedisStore(RedisStoreOptions{Client: client, Prefix: "listen:"})
+	ctx, cancel := context.WithCancel(context.Background())
+	go s.Run(ctx, func() time.Duration { return time.Minute })
+	s.Hit(context.Background(), "k", time.Now(), Limit{Window: time.Minute, Max: 5})
+	subscribers := func() int64 {
+		return client.PubSubNumSub(context.Background(), s.unblockChannel()).Val()[s.unblockChannel()]
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for subscribers() != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the store never subscribed")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	for subscribers() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the subscription outlived the store")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
