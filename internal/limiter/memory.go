@@ -56,12 +56,21 @@ func (e memEntry) expires() int64 {
 }
 
 // orderItem records one insertion; an item whose seq no longer matches the
-// entry's is stale (the key was purged, forgotten or re-inserted).
+// entry's is stale (the key was purged, forgotten or re-inserted). The low
+// bits of seq hold the entry's slot, so that the item stays 24 bytes.
 type orderItem struct {
-	key  string
-	seq  uint64
-	slot int
+	key string
+	seq uint64
 }
+
+// slotBits is how many low bits of a seq hold the slot.
+const slotBits = 3
+
+// Every slot fits in slotBits: the build fails if MaxChecks grows past it.
+var _ [1<<slotBits - MaxChecks]struct{}
+
+// slot returns the slot of the entry the item records.
+func (it orderItem) slot() int { return int(it.seq & (1<<slotBits - 1)) }
 
 type memShard struct {
 	mu      sync.Mutex
@@ -245,9 +254,9 @@ func (s *MemoryStore) insert(idx uint64, c Check, e *memEntry) {
 	for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
 	}
 	sh.seq++
-	e.seq = sh.seq
+	e.seq = sh.seq<<slotBits | uint64(c.Slot)
 	m[key] = *e
-	sh.order = append(sh.order, orderItem{key: key, seq: e.seq, slot: c.Slot})
+	sh.order = append(sh.order, orderItem{key: key, seq: e.seq})
 	s.tracked.Add(1)
 }
 
@@ -352,8 +361,8 @@ func (sh *memShard) evictOldest(s *MemoryStore) bool {
 		it := sh.order[sh.head]
 		sh.order[sh.head] = orderItem{}
 		sh.head++
-		if e, ok := sh.entries[it.slot][it.key]; ok && e.seq == it.seq {
-			delete(sh.entries[it.slot], it.key)
+		if e, ok := sh.entries[it.slot()][it.key]; ok && e.seq == it.seq {
+			delete(sh.entries[it.slot()], it.key)
 			s.tracked.Add(-1)
 			s.evictions.Add(1)
 			sh.compact()
@@ -414,7 +423,7 @@ func (sh *memShard) compact() {
 	}
 	kept := make([]orderItem, 0, size+size/4+16)
 	for _, it := range sh.order[sh.head:] {
-		if e, ok := sh.entries[it.slot][it.key]; ok && e.seq == it.seq {
+		if e, ok := sh.entries[it.slot()][it.key]; ok && e.seq == it.seq {
 			kept = append(kept, it)
 		}
 	}
