@@ -198,8 +198,9 @@ type RateLimit struct {
 	exemptRanges               []netip.Prefix
 	// errLimited is the error of every refusal, built once: a flood of
 	// refused requests formats nothing. The key is in the log line and the
-	// placeholders.
+	// placeholders. refusal is the handler error that carries it.
 	errLimited error
+	refusal    caddyhttp.HandlerError
 	logger     *zap.Logger
 
 	// events is the config's events app, nil when it has none. Emitting
@@ -296,6 +297,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if rl.Status == 0 {
 		rl.Status = http.StatusTooManyRequests
 	}
+	rl.refusal = caddyhttp.HandlerError{StatusCode: rl.Status, Err: rl.errLimited, Trace: "rate_limit"}
 
 	// The metrics registry is made anew for each config load and shared by
 	// all of its modules, whichever server they are in: it names the load.
@@ -434,7 +436,10 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil
 	}
-	return caddyhttp.Error(rl.Status, rl.errLimited)
+	// The refusal is built once: caddyhttp.Error would draw a random ID and
+	// take a stack trace for every refused request of a flood. handle_errors
+	// renders it all the same ({http.error.id} is empty).
+	return rl.refusal
 }
 
 // refused tallies a refusal in each refusing limit and, for a key's first

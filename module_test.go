@@ -48,7 +48,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct {
 		name string
 		max  int
-	}{{"allowed", 1 << 30}, {"refused", 1}} {
+	}{{"allowed", MaxRequests}, {"refused", 1}} {
 		b.Run(tc.name, func(b *testing.B) {
 			rl, _ := provisionHandler(b, "bench_"+tc.name, tc.max, true)
 			r := httptest.NewRequest(http.MethodGet, "/", nil)
