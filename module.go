@@ -363,8 +363,12 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// Every limit's key first: a limit that rejects a request without its
 	// key wins whatever the order; a limit with no key at all (no client
 	// IP, missing ip) sits this request out.
-	var checks [limiter.MaxChecks]limiter.Check
-	var of [limiter.MaxChecks]int // the policy of each check
+	// The checks and verdicts go through the Store interface, so they
+	// would escape to the heap: a pooled buffer keeps a request from
+	// allocating them.
+	d := decisions.Get().(*decision)
+	defer d.release()
+	checks, of, out := &d.checks, &d.of, &d.out
 	n := 0
 	for i := range rl.policies {
 		p := &rl.policies[i]
@@ -385,7 +389,6 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 
 	now := time.Now()
-	var out [limiter.MaxChecks]limiter.Verdict
 	if err := rl.zone.store.Decide(r.Context(), checks[:n], now, out[:n]); err != nil {
 		err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
 		if r.Context().Err() != nil {
@@ -441,6 +444,22 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// renders it all the same ({http.error.id} is empty).
 	return rl.refusal
 }
+
+// decision is the scratch space of one request's decision.
+type decision struct {
+	checks [limiter.MaxChecks]limiter.Check
+	of     [limiter.MaxChecks]int // the policy of each check
+	out    [limiter.MaxChecks]limiter.Verdict
+}
+
+// release returns d to the pool, holding no request's keys.
+func (d *decision) release() {
+	clear(d.checks[:])
+	decisions.Put(d)
+}
+
+// decisions recycles decision buffers across requests.
+var decisions = sync.Pool{New: func() any { return new(decision) }}
 
 // refused tallies a refusal in each refusing limit and, for a key's first
 // refusal in a window, logs it and emits the event.
