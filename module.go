@@ -360,15 +360,15 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	ipKey := rl.ipKey(r)
-	// Every limit's key first: a limit that rejects a request without its
-	// key wins whatever the order; a limit with no key at all (no client
-	// IP, missing ip) sits this request out.
 	// The checks and verdicts go through the Store interface, so they
 	// would escape to the heap: a pooled buffer keeps a request from
 	// allocating them.
 	d := decisions.Get().(*decision)
 	defer d.release()
 	checks, of, out := &d.checks, &d.of, &d.out
+	// Every limit's key first: a limit that rejects a request without its
+	// key wins whatever the order; a limit with no key at all (no client
+	// IP, missing ip) sits this request out.
 	n := 0
 	for i := range rl.policies {
 		p := &rl.policies[i]
