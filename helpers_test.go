@@ -55,7 +55,7 @@ func serve(t testing.TB, rl *RateLimit, ip string) int {
 func hitN(t testing.TB, rl *RateLimit, key string, n int) {
 	t.Helper()
 	for range n {
-		if _, err := rl.zone.store.Hit(context.Background(), key, time.Now(), rl.limit); err != nil {
+		if _, err := rl.zone.store.Hit(context.Background(), key, time.Now(), rl.policies[0].check.Limit); err != nil {
 			t.Fatal(err)
 		}
 	}

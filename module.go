@@ -188,8 +188,7 @@ type RateLimit struct {
 	Status int `json:"status,omitempty"`
 
 	zone     *zone
-	limit    limiter.Limit // the first limit's, as policies[0] holds it
-	policies []policy      // the first limit, then Limits
+	policies []policy // the first limit, then Limits
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
@@ -270,8 +269,8 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 
 	sliding := rl.Algorithm == AlgorithmSliding
-	rl.limit = limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding}
-	rl.policies = []policy{newPolicy(rl.Zone, "", rl.limit, rl.Key, rl.Missing)}
+	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding}
+	rl.policies = []policy{newPolicy(rl.Zone, "", first, rl.Key, rl.Missing)}
 	for _, l := range rl.Limits {
 		key := l.Key
 		if key == "" {
@@ -543,22 +542,18 @@ func (rl *RateLimit) check() error {
 	if rl.Max < 0 || rl.Max > MaxRequests {
 		errs = append(errs, fmt.Errorf("invalid max %d: must be from 1 to %d", rl.Max, MaxRequests))
 	}
-	if w := time.Duration(rl.Window); w < 0 || (w > 0 && w < time.Second) {
-		errs = append(errs, fmt.Errorf("invalid window %s: must be at least 1s (a bare number in JSON is nanoseconds; write \"60s\")", w))
-	} else if w > MaxWindow {
-		errs = append(errs, fmt.Errorf("invalid window %s: must be at most %s", w, MaxWindow))
-	} else if w%time.Second != 0 {
-		errs = append(errs, fmt.Errorf("invalid window %s: must be a whole number of seconds", w))
+	if rl.Window != 0 { // 0: the default
+		if err := checkWindow("window", time.Duration(rl.Window)); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	if !validZoneName(rl.Zone) {
 		errs = append(errs, fmt.Errorf("invalid zone %q: use letters, digits and _ - . : only", rl.Zone))
 	} else if rl.Zone == dashboardZone {
 		errs = append(errs, fmt.Errorf("invalid zone %q: the name is the admin dashboard's (/rate_limit/%s)", rl.Zone, dashboardZone))
 	}
-	if n, err := countPlaceholders(rl.Key); err != nil {
-		errs = append(errs, fmt.Errorf("invalid key %q: %v", rl.Key, err))
-	} else if rl.Key != "" && n == 0 {
-		errs = append(errs, fmt.Errorf("invalid key %q: must hold a placeholder such as {http.request.header.X-API-Key}, or every client would share one counter", rl.Key))
+	if err := checkKey("key", rl.Key); err != nil {
+		errs = append(errs, err)
 	}
 	if rl.MaxTracked != 0 && rl.MaxTracked < MinMaxTracked {
 		errs = append(errs, fmt.Errorf("invalid max_tracked %d: must be at least %d", rl.MaxTracked, MinMaxTracked))
@@ -626,6 +621,17 @@ func validZoneName(name string) bool {
 		}
 	}
 	return true
+}
+
+// checkKey checks a key placeholder ("" is the client IP): well-formed, and
+// naming something of the request.
+func checkKey(what, key string) error {
+	if n, err := countPlaceholders(key); err != nil {
+		return fmt.Errorf("invalid %s %q: %v", what, key, err)
+	} else if key != "" && n == 0 {
+		return fmt.Errorf("invalid %s %q: must hold a placeholder such as {http.request.header.X-API-Key}, or every client would share one counter", what, key)
+	}
+	return nil
 }
 
 // countPlaceholders counts the placeholders in s and reports a malformed

@@ -156,12 +156,8 @@ func (rl *RateLimit) checkLimits() []error {
 		if err := checkWindow(what+" window", time.Duration(l.Window)); err != nil {
 			errs = append(errs, err)
 		}
-		if l.Key != "" {
-			if n, err := countPlaceholders(l.Key); err != nil {
-				errs = append(errs, fmt.Errorf("invalid %s key %q: %v", what, l.Key, err))
-			} else if n == 0 {
-				errs = append(errs, fmt.Errorf("invalid %s key %q: must hold a placeholder", what, l.Key))
-			}
+		if err := checkKey(what+" key", l.Key); err != nil {
+			errs = append(errs, err)
 		}
 		if err := checkMissing(what+" missing", l.Missing); err != nil {
 			errs = append(errs, err)

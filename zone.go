@@ -222,7 +222,6 @@ func (z *zone) hold(rl *RateLimit) {
 			}
 		}
 	}
-	rl.limit = rl.policies[0].check.Limit
 	rl.holdID = holdIDs.Add(1)
 	h := holding{id: rl.holdID, settings: rl.settings()}
 	z.holders = append(z.holders, h)
