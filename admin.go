@@ -384,14 +384,8 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		if !ok || (q.policy != "" && l.name != q.policy) {
 			return true // a limit the config no longer has, or filtered out
 		}
-		reset := ks.Reset.UnixNano()
-		if l.limit.Sliding && z.redis != nil {
-			// Redis keeps a sliding count a window past its window's end,
-			// as the next window's previous count.
-			reset -= int64(l.limit.Window)
-		}
 		// A window a reload shortened is listed as it now ends.
-		reset = l.limit.End(reset, t)
+		reset := l.limit.End(ks.Reset.UnixNano(), t)
 		if t >= reset {
 			return true
 		}

@@ -313,11 +313,11 @@ func (z *zone) apply(s zoneSettings) {
 		z.mem.SetMaxTracked(s.maxTracked)
 	}
 	if z.redis != nil {
-		names := make([]string, 0, len(s.limits)-1)
-		for _, l := range s.limits[1:] {
-			names = append(names, l.storeName)
+		limits := make([]limiter.Check, len(s.limits))
+		for i, l := range s.limits {
+			limits[i] = limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}
 		}
-		z.redis.SetLimitNames(names)
+		z.redis.SetLimits(limits)
 		z.redis.SetMaxTracked(s.maxTracked)
 		z.redis.SetTimeout(s.timeout)
 		z.redis.SetOnError(s.onError)

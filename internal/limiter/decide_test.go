@@ -92,13 +92,13 @@ func TestMemoryDecideNoPartialCount(t *testing.T) {
 func TestRedisDecideNoPartialCount(t *testing.T) {
 	srv := redistest.Start(t)
 	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
-	s.SetLimitNames([]string{"tenant"})
+	s.SetLimits([]Check{{}, {Slot: 1, Name: "tenant"}})
 	testDecideNoPartialCount(t, s, time.Now())
 }
 
 func TestRedisClusterDecideNoPartialCount(t *testing.T) {
 	s, _ := newTestRedisStore(t, redistest.StartCluster(t), RedisStoreOptions{})
-	s.SetLimitNames([]string{"tenant"})
+	s.SetLimits([]Check{{}, {Slot: 1, Name: "tenant"}})
 	if clusterSlot(s.base("", "a")+"c") == clusterSlot(s.base("tenant", "key:acme")+"c") {
 		t.Fatal("the test's keys share a slot: the cross-slot path is not exercised")
 	}
@@ -307,6 +307,7 @@ func TestRedisSlidingWindow(t *testing.T) {
 	srv := redistest.Start(t)
 	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
 	lim := Limit{Window: 2 * time.Second, Max: 3, Sliding: true}
+	s.SetLimits([]Check{{Limit: lim}})
 	start := time.Now()
 	for i := range 3 {
 		if v, err := s.Hit(bg, "k", time.Now(), lim); err != nil || !v.Allowed || v.Remaining != 2-i {
@@ -315,6 +316,12 @@ func TestRedisSlidingWindow(t *testing.T) {
 	}
 	if v, _ := s.Hit(bg, "k", time.Now(), lim); v.Allowed {
 		t.Fatal("4th hit admitted in the first window")
+	}
+	// Listed with its window's end, not the key's (a window later).
+	var states []KeyState
+	s.Range(bg, time.Now(), func(ks KeyState) bool { states = append(states, ks); return true })
+	if len(states) != 1 || time.Until(states[0].Reset) > 2*time.Second || states[0].Count != 3 {
+		t.Fatalf("listing = %+v, want k with 3 in a window ending within 2s", states)
 	}
 	srv.Sleep(time.Until(start.Add(2300 * time.Millisecond)))
 	// 0.3 s into the next window the previous 3 weigh about 2.55: full.

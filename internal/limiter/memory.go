@@ -157,9 +157,7 @@ func (s *MemoryStore) shardIndex(key string, slot int) uint64 {
 
 // Hit implements Store. It never returns an error.
 func (s *MemoryStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
-	var out [1]Verdict
-	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
-	return out[0], err
+	return hitOne(ctx, s.Decide, key, now, limit)
 }
 
 // Decide implements Store. It fails only for more than MaxChecks checks or a

@@ -132,8 +132,8 @@ type RedisStore struct {
 	onError atomic.Pointer[string]
 	local   *MemoryStore // the on_error local fallback
 	refused refusedCache
-	names   atomic.Pointer[[]string] // the zone's limits past the first
-	used    chan struct{}            // closed at the first decision or unblock
+	limits  atomic.Pointer[[]Check] // the zone's limits (SetLimits)
+	used    chan struct{}           // closed at the first decision or unblock
 	useOnce sync.Once
 	logger  *zap.Logger
 
@@ -211,9 +211,7 @@ func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
 // Hit implements Store. It returns an error only when Redis failed and
 // on_error is deny; with allow or local the verdict has StoreError set.
 func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
-	var out [1]Verdict
-	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
-	return out[0], err
+	return hitOne(ctx, s.Decide, key, now, limit)
 }
 
 // Decide implements Store. It returns an error only when Redis failed and
@@ -806,20 +804,30 @@ func (s *RedisStore) parseKey(k string) (name, tag string, ok bool) {
 // store (see MemoryStore.SetSlotName).
 func (s *RedisStore) SetSlotName(slot int, name string) { s.local.SetSlotName(slot, name) }
 
-// SetLimitNames tells the store the names of the zone's limits other than
-// the first, so that Forget reaches a key in each.
-func (s *RedisStore) SetLimitNames(names []string) {
-	cp := slices.Clone(names)
-	s.names.Store(&cp)
+// SetLimits tells the store the zone's limits (Slot, Name and Limit of
+// each; Key is not read), so that Forget reaches a key in each and Range
+// reports each key's window as the limit counts it.
+func (s *RedisStore) SetLimits(limits []Check) {
+	cp := slices.Clone(limits)
+	s.limits.Store(&cp)
 }
 
-// limitNames returns "" (the first limit) and the names SetLimitNames gave.
-func (s *RedisStore) limitNames() []string {
-	names := []string{""}
-	if p := s.names.Load(); p != nil {
-		names = append(names, *p...)
+// zoneLimits returns what SetLimits gave, or the first limit alone.
+func (s *RedisStore) zoneLimits() []Check {
+	if p := s.limits.Load(); p != nil {
+		return *p
 	}
-	return names
+	return []Check{{}}
+}
+
+// limitNamed returns the Limit of the zone's limit stored under name.
+func (s *RedisStore) limitNamed(name string) (Limit, bool) {
+	for _, c := range s.zoneLimits() {
+		if c.Name == name {
+			return c.Limit, true
+		}
+	}
+	return Limit{}, false
 }
 
 // clusterSlot returns the Redis Cluster slot of key: CRC16 (XMODEM) of its
@@ -1000,6 +1008,14 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 		if !ok || tag == probeTag {
 			continue
 		}
+		if l, ok := s.limitNamed(name); ok && l.Sliding {
+			// A sliding count outlives its window by a window, as the
+			// next one's previous count (redis.lua): its window ends a
+			// window before the key does.
+			if ttl -= l.Window; ttl <= 0 {
+				continue
+			}
+		}
 		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Prev: prev, Reset: now.Add(ttl), Name: name}) {
 			return errStopRange
 		}
@@ -1012,8 +1028,8 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 // instances sharing the Redis hear of it on the unblock channel (listen).
 func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
 	found := false
-	for slot, name := range s.limitNames() {
-		ok, err := s.ForgetCheck(ctx, Check{Slot: slot, Name: name, Key: key})
+	for _, c := range s.zoneLimits() {
+		ok, err := s.ForgetCheck(ctx, Check{Slot: c.Slot, Name: c.Name, Key: key})
 		if err != nil {
 			return found, err
 		}
