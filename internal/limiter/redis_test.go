@@ -204,10 +204,7 @@ func TestRedisStoreWindowShortenedSince(t *testing.T) {
 // store does not cycle through RECOVERING. Once Redis takes writes again
 // the store is HEALTHY by itself.
 func TestRedisStoreProbeUsesScript(t *testing.T) {
-	srv := redistest.Start(t)
-	if srv.Kind != redistest.KindReal {
-		t.Skipf("%s has no maxmemory", srv.Kind)
-	}
+	srv := redistest.StartReal(t, "miniredis has no maxmemory")
 	core, logs := observer.New(zap.InfoLevel)
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Logger: zap.New(core)})
 	ctx := context.Background()
@@ -324,10 +321,7 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 // A flood from a key over its limit costs Redis nothing: after the first
 // refusal, every refusal is decided in-process.
 func TestRedisStoreFloodCostsNothing(t *testing.T) {
-	srv := redistest.Start(t)
-	if srv.Kind != redistest.KindReal {
-		t.Skipf("%s keeps no command statistics", srv.Kind)
-	}
+	srv := redistest.StartReal(t, "miniredis keeps no command statistics")
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
 	ctx := context.Background()
 	lim := Limit{Window: time.Minute, Max: 3}
@@ -726,10 +720,7 @@ func BenchmarkRedisHit(b *testing.B) {
 // (its socket still lives), the set lives as long as its longest lease,
 // and a released lease frees its place.
 func TestRedisLeases(t *testing.T) {
-	srv := redistest.Start(t)
-	if srv.Kind != redistest.KindReal {
-		t.Skipf("%s has no TIME in scripts", srv.Kind)
-	}
+	srv := redistest.StartReal(t, "leases are tested against a real redis-server")
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
 	ctx := context.Background()
 	long, ok, err := s.AcquireLease(ctx, "k", 2, time.Hour)
@@ -762,10 +753,7 @@ func TestRedisLeases(t *testing.T) {
 // The unblock subscription ends with the store: no goroutine or connection
 // is left behind a zone that is gone.
 func TestRedisListenStops(t *testing.T) {
-	srv := redistest.Start(t)
-	if srv.Kind != redistest.KindReal {
-		t.Skipf("%s keeps no pub/sub counts", srv.Kind)
-	}
+	srv := redistest.StartReal(t, "miniredis keeps no pub/sub counts")
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer client.Close()
 	s := NewRedisStore(RedisStoreOptions{Client: client, Prefix: "listen:"})

@@ -66,13 +66,36 @@ func Start(t testing.TB) *Server {
 		announce(t, s)
 		return s
 	}
+	s := launch(t, bin, freePort, nil)
+	announce(t, s)
+	return s
+}
+
+// StartReal is Start for a test that needs a real redis-server (for why:
+// something miniredis lacks): on a machine without one it skips.
+func StartReal(t testing.TB, why string) *Server {
+	t.Helper()
+	s := Start(t)
+	if s.Kind != KindReal {
+		t.Skipf("%s: %s", s.Kind, why)
+	}
+	return s
+}
+
+// launch starts redis-server on a port from port with the extra arguments
+// args gives for the server (nil: none), retrying on a new port when the
+// first is taken before redis binds it, and stops it when the test ends.
+func launch(t testing.TB, bin string, port func(testing.TB) int, args func(*Server) []string) *Server {
+	t.Helper()
 	var lastErr error
-	for range 5 { // a free port can be taken before redis binds it
-		s := &Server{Kind: KindReal, t: t, bin: bin, dir: t.TempDir(), port: freePort(t)}
+	for range 5 {
+		s := &Server{Kind: KindReal, t: t, bin: bin, dir: t.TempDir(), port: port(t)}
 		s.Addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port))
+		if args != nil {
+			s.args = args(s)
+		}
 		if lastErr = s.start(); lastErr == nil {
 			t.Cleanup(s.Stop)
-			announce(t, s)
 			return s
 		}
 	}
@@ -221,21 +244,9 @@ func StartCluster(t testing.TB) []string {
 	}
 	var addrs []string
 	for range 3 {
-		var s *Server
-		var lastErr error
-		for range 5 {
-			s = &Server{Kind: KindReal, t: t, bin: bin, dir: t.TempDir(), port: freeClusterPort(t)}
-			s.Addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port))
-			s.args = []string{"--cluster-enabled", "yes", "--cluster-config-file", s.dir + "/nodes.conf", "--cluster-node-timeout", "2000"}
-			if lastErr = s.start(); lastErr == nil {
-				break
-			}
-			s = nil
-		}
-		if s == nil {
-			t.Fatalf("starting a cluster node: %v", lastErr)
-		}
-		t.Cleanup(s.Stop)
+		s := launch(t, bin, freeClusterPort, func(s *Server) []string {
+			return []string{"--cluster-enabled", "yes", "--cluster-config-file", s.dir + "/nodes.conf", "--cluster-node-timeout", "2000"}
+		})
 		addrs = append(addrs, s.Addr)
 	}
 	args := append([]string{"--cluster", "create"}, addrs...)

@@ -39,22 +39,9 @@ func StartSentinel(t testing.TB) *Sentinel {
 		}
 		t.Skipf("no redis-server in PATH, so no Sentinel: %v", err)
 	}
-	startOne := func(args ...string) *Server {
-		var lastErr error
-		for range 5 {
-			s := &Server{Kind: KindReal, t: t, bin: bin, dir: t.TempDir(), port: freePort(t), args: args}
-			s.Addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port))
-			if lastErr = s.start(); lastErr == nil {
-				t.Cleanup(s.Stop)
-				return s
-			}
-		}
-		t.Fatalf("starting redis-server: %v", lastErr)
-		return nil
-	}
-	sn := &Sentinel{Master: startOne()}
+	sn := &Sentinel{Master: launch(t, bin, freePort, nil)}
 	host, port, _ := net.SplitHostPort(sn.Master.Addr)
-	sn.Replica = startOne("--replicaof", host, port)
+	sn.Replica = launch(t, bin, freePort, func(*Server) []string { return []string{"--replicaof", host, port} })
 
 	// The Sentinel rewrites its config file, so it gets one of its own.
 	dir := t.TempDir()
