@@ -193,7 +193,6 @@ type RateLimit struct {
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
 	policyHeader               string // RateLimit-Policy value, formatted once
-	zoneAny                    any    // the zone name as the placeholder takes it
 	exemptRanges               []netip.Prefix
 	// errLimited is the error of every refusal, built once: a flood of
 	// refused requests formats nothing. The key is in the log line and the
@@ -287,7 +286,6 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.legacyHeaders = rl.Headers == HeadersLegacy || rl.Headers == HeadersBoth
 	rl.ietfHeaders = rl.Headers == HeadersIETF || rl.Headers == HeadersBoth
 	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q", rl.Zone)
-	rl.zoneAny = rl.Zone
 	rl.exemptRanges = nil
 	for _, e := range rl.Exempt {
 		p, _ := parsePrefix(e) // check refused a bad one
@@ -410,8 +408,8 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	reset := ceilSeconds(v.Reset.UnixNano())
 	rl.setHeaders(w.Header(), &rl.policies[of[m]], v, reset, now)
 
-	repl.Set("http.rate_limit.zone", rl.zoneAny)
-	repl.Set("http.rate_limit.policy", rl.policies[of[m]].name)
+	repl.Set("http.rate_limit.zone", rl.policies[0].nameAny) // the first limit is named after the zone
+	repl.Set("http.rate_limit.policy", rl.policies[of[m]].nameAny)
 	repl.Set("http.rate_limit.key", key)
 	repl.Set("http.rate_limit.limit", v.Max)
 	repl.Set("http.rate_limit.remaining", v.Remaining)

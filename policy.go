@@ -57,6 +57,7 @@ type LimitConfig struct {
 // policy is one limit as a handler runs it.
 type policy struct {
 	name       string        // as headers, the admin API and metrics show it
+	nameAny    any           // name as the placeholder takes it, boxed once
 	check      limiter.Check // Slot, Name and Limit; Key is set per request
 	key        string        // the key placeholder; "" for the client IP
 	keyText    string        // what key resolves to when all its placeholders are empty
@@ -71,6 +72,7 @@ type policy struct {
 func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) policy {
 	p := policy{
 		name:    name,
+		nameAny: name,
 		check:   limiter.Check{Name: storeName, Limit: lim},
 		missing: missing,
 		quoted:  strconv.Quote(name),
