@@ -161,14 +161,6 @@ type Store interface {
 	ForgetCheck(ctx context.Context, c Check) (bool, error)
 }
 
-// hitOne is Hit for a store whose Decide is decide: one check in slot 0 of
-// name "".
-func hitOne(ctx context.Context, decide func(context.Context, []Check, time.Time, []Verdict) error, key string, now time.Time, limit Limit) (Verdict, error) {
-	var out [1]Verdict
-	err := decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
-	return out[0], err
-}
-
 // sliding returns the requests the sliding-window counter holds against a
 // key at t: prev weighted by the part of the previous window that a window
 // ending at t would still overlap (the window in progress ends at reset),

@@ -157,7 +157,11 @@ func (s *MemoryStore) shardIndex(key string, slot int) uint64 {
 
 // Hit implements Store. It never returns an error.
 func (s *MemoryStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
-	return hitOne(ctx, s.Decide, key, now, limit)
+	// Not a shared helper taking s.Decide as a func value: through one,
+	// the check and verdict escape to the heap on every call.
+	var out [1]Verdict
+	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
+	return out[0], err
 }
 
 // Decide implements Store. It fails only for more than MaxChecks checks or a

@@ -211,7 +211,11 @@ func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
 // Hit implements Store. It returns an error only when Redis failed and
 // on_error is deny; with allow or local the verdict has StoreError set.
 func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
-	return hitOne(ctx, s.Decide, key, now, limit)
+	// Not a shared helper taking s.Decide as a func value: through one,
+	// the check and verdict escape to the heap on every call.
+	var out [1]Verdict
+	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
+	return out[0], err
 }
 
 // Decide implements Store. It returns an error only when Redis failed and
