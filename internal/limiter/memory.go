@@ -172,7 +172,8 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		return fmt.Errorf("memory store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
 	var idx, locks [MaxChecks]uint64
-	for i, c := range checks {
+	for i := range checks {
+		c := &checks[i]
 		if c.Slot < 0 || c.Slot >= MaxChecks {
 			return fmt.Errorf("memory store: check slot %d out of range", c.Slot)
 		}
@@ -185,7 +186,8 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 	var found [MaxChecks]bool
 	s.lockShards(locks[:nl])
 	missing := false
-	for i, c := range checks {
+	for i := range checks {
+		c := &checks[i]
 		es[i], found[i] = s.shards[idx[i]].entries[c.Slot][c.Key]
 		missing = missing || !found[i]
 	}
@@ -194,26 +196,29 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		s.unlockShards(locks[:nl])
 		s.purgeForRoom(t)
 		s.lockShards(locks[:nl])
-		for i, c := range checks {
+		for i := range checks {
+			c := &checks[i]
 			es[i], found[i] = s.shards[idx[i]].entries[c.Slot][c.Key]
 		}
 	}
 
 	allowed := true
-	for i, c := range checks {
+	for i := range checks {
+		c := &checks[i]
 		e := &es[i]
 		if found[i] {
-			e.roll(t, c.Limit)
+			e.roll(t, &c.Limit)
 		} else {
 			*e = memEntry{reset: t + int64(c.Limit.Window)}
 			if c.Limit.Sliding {
 				e.span = int32(c.Limit.Window / time.Second)
 			}
 		}
-		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.reset), Allowed: e.admits(t, c.Limit)}
+		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.reset), Allowed: e.admits(t, &c.Limit)}
 		allowed = allowed && out[i].Allowed
 	}
-	for i, c := range checks {
+	for i := range checks {
+		c := &checks[i]
 		e := &es[i]
 		switch {
 		case allowed:
@@ -223,16 +228,17 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 				e.refused++
 			}
 			out[i].FirstRefusal = e.refused == 1
-			out[i].RetryAfter = e.wait(t, c.Limit)
+			out[i].RetryAfter = e.wait(t, &c.Limit)
 		}
-		out[i].Remaining = e.remaining(t, c.Limit)
+		out[i].Remaining = e.remaining(t, &c.Limit)
 		if found[i] {
 			// Written back before any insertion below, which is what may
 			// evict: the key is still in its map.
 			s.shards[idx[i]].entries[c.Slot][c.Key] = *e
 		}
 	}
-	for i, c := range checks {
+	for i := range checks {
+		c := &checks[i]
 		// A new key that counted nothing (another limit refused the
 		// request) is not tracked: it would only take room.
 		if !found[i] && (es[i].count > 0 || es[i].refused > 0) {
@@ -245,7 +251,7 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 
 // insert adds e as key's entry in shard idx, evicting to make room when the
 // store is full. The caller holds the lock.
-func (s *MemoryStore) insert(idx uint64, c Check, e *memEntry) {
+func (s *MemoryStore) insert(idx uint64, c *Check, e *memEntry) {
 	sh := &s.shards[idx]
 	m := sh.entries[c.Slot]
 	if m == nil {
@@ -265,7 +271,7 @@ func (s *MemoryStore) insert(idx uint64, c Check, e *memEntry) {
 // roll moves the entry to the window holding t: a fixed window that has
 // ended starts afresh; a sliding one keeps the count of the window just
 // ended as prev. A window a reload shortened is cut first (Limit.end).
-func (e *memEntry) roll(t int64, l Limit) {
+func (e *memEntry) roll(t int64, l *Limit) {
 	e.reset = l.End(e.reset, t)
 	if t < e.reset {
 		return
@@ -286,7 +292,7 @@ func (e *memEntry) roll(t int64, l Limit) {
 }
 
 // admits reports whether one more request fits the entry's window at t.
-func (e *memEntry) admits(t int64, l Limit) bool {
+func (e *memEntry) admits(t int64, l *Limit) bool {
 	if !l.Sliding {
 		return int64(e.count) < int64(l.Max)
 	}
@@ -294,7 +300,7 @@ func (e *memEntry) admits(t int64, l Limit) bool {
 }
 
 // remaining returns how many more requests fit the entry's window at t.
-func (e *memEntry) remaining(t int64, l Limit) int {
+func (e *memEntry) remaining(t int64, l *Limit) int {
 	if !l.Sliding {
 		return int(max(int64(l.Max)-int64(e.count), 0))
 	}
@@ -302,7 +308,7 @@ func (e *memEntry) remaining(t int64, l Limit) int {
 }
 
 // wait returns how long a refused key waits at t until a request fits.
-func (e *memEntry) wait(t int64, l Limit) time.Duration {
+func (e *memEntry) wait(t int64, l *Limit) time.Duration {
 	if !l.Sliding {
 		return time.Duration(e.reset - t)
 	}
