@@ -189,7 +189,7 @@ type ZoneInfo struct {
 	// Store is the kind of store that keeps the zone's counters: "memory"
 	// or "redis".
 	Store string `json:"store"`
-	// Algorithm is how windows are counted: "fixed" or "sliding".
+	// Algorithm is how windows are counted: "fixed", "sliding" or "gcra".
 	Algorithm string `json:"algorithm"`
 	// Policies are the zone's limits, the first (named after the zone, of
 	// WindowSeconds and Max) first.
@@ -225,6 +225,14 @@ type PolicyInfo struct {
 	Max int `json:"max"`
 	// WindowSeconds is the length of a window, in seconds.
 	WindowSeconds int64 `json:"window_seconds"`
+	// Burst is, with algorithm gcra, the bucket's size; absent otherwise.
+	Burst int `json:"burst,omitempty"`
+	// BanSeconds is how long a key that goes over the limit is banned;
+	// absent when the limit does not ban.
+	BanSeconds int64 `json:"ban_seconds,omitempty"`
+	// BanMaxSeconds is the longest escalated ban; absent without
+	// escalation.
+	BanMaxSeconds int64 `json:"ban_max_seconds,omitempty"`
 }
 
 // KeyInfo is one tracked key in the reply to GET /rate_limit/<zone>.
@@ -246,8 +254,11 @@ type KeyInfo struct {
 	Reset int64 `json:"reset"`
 	// Limited is true when the key's next request in this window would be
 	// refused (for a sliding window, counting the previous window's weight,
-	// as Remaining does).
+	// as Remaining does), or the key is banned.
 	Limited bool `json:"limited"`
+	// BannedUntil is when the key's ban ends, in Unix seconds; absent when
+	// the key is not banned. The unblock lifts a ban too.
+	BannedUntil int64 `json:"banned_until,omitempty"`
 	// Unblock is the admin path that forgets the key, escaped and ready to
 	// use: DELETE it on the admin endpoint.
 	Unblock string `json:"unblock"`
@@ -386,10 +397,12 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		}
 		// A window a reload shortened is listed as it now ends.
 		reset := l.limit.End(ks.Reset.UnixNano(), t)
-		if t >= reset {
+		if t >= reset && !ks.BannedUntil.After(now) {
 			return true
 		}
-		ks.Reset = time.Unix(0, reset)
+		if ks.BannedUntil.IsZero() || reset < ks.Reset.UnixNano() {
+			ks.Reset = time.Unix(0, reset)
+		}
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
 		}
@@ -408,16 +421,27 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	for _, ks := range page {
 		l, _ := limitOf(ks.Name)
 		held, limited := l.limit.Weigh(ks, now)
-		out.Keys = append(out.Keys, KeyInfo{
+		quota, count := l.limit.Max, ks.Count
+		if l.limit.GCRA {
+			// A bucket: what it holds is the count.
+			quota = cmp.Or(l.limit.Burst, l.limit.Max)
+			count = int(math.Ceil(held))
+		}
+		ki := KeyInfo{
 			Key:       ks.Key,
 			Policy:    l.name,
-			Count:     ks.Count,
+			Count:     count,
 			Refused:   ks.Refused,
-			Remaining: max(l.limit.Max-int(math.Ceil(held)), 0),
+			Remaining: max(quota-int(math.Ceil(held)), 0),
 			Reset:     ceilSeconds(ks.Reset.UnixNano()),
 			Limited:   limited,
 			Unblock:   unblockPath(z.name, ks.Key),
-		})
+		}
+		if ks.BannedUntil.After(now) {
+			ki.BannedUntil = ceilSeconds(ks.BannedUntil.UnixNano())
+			ki.Remaining = 0
+		}
+		out.Keys = append(out.Keys, ki)
 	}
 	return out, nil
 }
@@ -540,12 +564,20 @@ func (z *zone) settings() (limiter.Limit, bool) {
 func (z *zone) info(ctx context.Context) ZoneInfo {
 	lim, enabled := z.settings()
 	algorithm := AlgorithmFixed
-	if lim.Sliding {
+	switch {
+	case lim.GCRA:
+		algorithm = AlgorithmGCRA
+	case lim.Sliding:
 		algorithm = AlgorithmSliding
 	}
 	var policies []PolicyInfo
 	for _, l := range z.limits() {
-		policies = append(policies, PolicyInfo{Name: l.name, Max: l.limit.Max, WindowSeconds: int64(l.limit.Window / time.Second)})
+		pi := PolicyInfo{Name: l.name, Max: l.limit.Max, WindowSeconds: int64(l.limit.Window / time.Second),
+			BanSeconds: int64(l.limit.Ban / time.Second), BanMaxSeconds: int64(l.limit.BanMax / time.Second)}
+		if l.limit.GCRA {
+			pi.Burst = cmp.Or(l.limit.Burst, l.limit.Max)
+		}
+		policies = append(policies, pi)
 	}
 	zi := ZoneInfo{
 		Name:                 z.name,

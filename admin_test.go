@@ -83,9 +83,9 @@ func TestAdminListZones(t *testing.T) {
 	}
 	want := map[string]ZoneInfo{
 		"admin-zones-on": {Name: "admin-zones-on", Status: "active", Enabled: true, Store: "memory", Algorithm: "fixed",
-			WindowSeconds: 60, Max: 2, TrackedKeys: 2, RejectedTotal: 1, Policies: []PolicyInfo{{"admin-zones-on", 2, 60}}},
+			WindowSeconds: 60, Max: 2, TrackedKeys: 2, RejectedTotal: 1, Policies: []PolicyInfo{{Name: "admin-zones-on", Max: 2, WindowSeconds: 60}}},
 		"admin-zones-off": {Name: "admin-zones-off", Status: "disabled", Enabled: false, Store: "memory", Algorithm: "fixed",
-			WindowSeconds: 60, Max: 7, Policies: []PolicyInfo{{"admin-zones-off", 7, 60}}},
+			WindowSeconds: 60, Max: 7, Policies: []PolicyInfo{{Name: "admin-zones-off", Max: 7, WindowSeconds: 60}}},
 	}
 	for name, w := range want {
 		if g, ok := byName[name]; !ok {

@@ -43,8 +43,19 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		limit <name> <max> <window> [{    # repeatable: more limits, all judged at once
 //			key     <placeholder>         # default: the handler's key
 //			missing ip|reject|<value>     # default ip
+//			count_status <status>...|all  # default: the handler's; so are cost, ban and burst
+//			cost    <n>|<placeholder>
+//			ban     <duration> [escalate [<longest>]]
+//			burst   <n>
 //		}]
-//		algorithm   fixed|sliding         # default fixed
+//		algorithm   fixed|sliding|gcra    # default fixed; gcra: a token bucket
+//		burst       <n>                   # gcra: requests at once from a full bucket; default max
+//		count_status <status>...          # only these responses count: 401, 4xx, 500-599
+//		cost        <n>|<placeholder>     # units a request spends; default 1
+//		ban         <duration> [escalate [<longest>]] # refuse an offender this long; escalate doubles, default up to 24h
+//		delay       <duration>            # wait up to this long instead of refusing; at most 1m
+//		delay_per_key <n>                 # requests of one key waiting at once; default 4
+//		delay_total <n>                   # requests waiting at once; default 1000
 //		dry_run                           # decide, log and count, but refuse nothing
 //		exempt      <cidr>...             # never counted nor limited
 //		status      <code>                # refusal status; default 429
@@ -65,7 +76,8 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //
 // Every option takes exactly one argument and may be given once, except
 // store, which takes a block for redis; address and exempt, which take one
-// or more and may repeat; limit, which takes three and an optional block and
+// or more and may repeat; count_status, which takes one or more; ban, which
+// takes one to three; limit, which takes three and an optional block and
 // may repeat; and tls and dry_run, which take none. windowS takes an integer
 // of seconds only.
 func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -104,6 +116,17 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			rl.Exempt = append(rl.Exempt, args...)
+			continue
+		case "count_status":
+			if rl.CountStatus = d.RemainingArgs(); len(rl.CountStatus) == 0 {
+				return d.ArgErr()
+			}
+			continue
+		case "ban":
+			var err error
+			if rl.Ban, rl.BanMax, err = parseBan(d); err != nil {
+				return err
+			}
 			continue
 		}
 		val, err := oneArg(d, opt)
@@ -147,6 +170,16 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.WSReject = val
 		case "ws_lease_ttl":
 			rl.WSLeaseTTL, err = parseDuration(d, opt, val)
+		case "cost":
+			rl.Cost = val
+		case "burst":
+			rl.Burst, err = parseInt(d, opt, val, 1)
+		case "delay":
+			rl.Delay, err = parseDuration(d, opt, val)
+		case "delay_per_key":
+			rl.DelayPerKey, err = parseInt(d, opt, val, 1)
+		case "delay_total":
+			rl.DelayTotal, err = parseInt(d, opt, val, 1)
 		default:
 			return d.Errf("unrecognized rate_limit subdirective %q", opt)
 		}
@@ -185,6 +218,18 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 		if err := seen.first(d, opt); err != nil {
 			return err
 		}
+		switch opt {
+		case "count_status":
+			if l.CountStatus = d.RemainingArgs(); len(l.CountStatus) == 0 {
+				return d.ArgErr()
+			}
+			continue
+		case "ban":
+			if l.Ban, l.BanMax, err = parseBan(d); err != nil {
+				return err
+			}
+			continue
+		}
 		val, err := oneArg(d, opt)
 		if err != nil {
 			return err
@@ -194,12 +239,43 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 			l.Key = val
 		case "missing":
 			l.Missing = val
+		case "cost":
+			l.Cost = val
+		case "burst":
+			l.Burst, err = parseInt(d, "limit "+l.Name+" burst", val, 1)
 		default:
-			return d.Errf("unrecognized limit option %q: want key or missing", opt)
+			return d.Errf("unrecognized limit option %q: want key, missing, count_status, cost, ban or burst", opt)
+		}
+		if err != nil {
+			return err
 		}
 	}
 	rl.Limits = append(rl.Limits, l)
 	return nil
+}
+
+// parseBan parses "ban <duration> [escalate [<longest>]]"; d is at the ban
+// token. escalate without a longest ban escalates up to DefaultBanMax.
+func parseBan(d *caddyfile.Dispenser) (ban, banMax caddy.Duration, err error) {
+	args := d.RemainingArgs()
+	if len(args) == 0 || len(args) > 3 || (len(args) > 1 && args[1] != "escalate") {
+		return 0, 0, d.Errf("ban takes a duration, then optionally escalate and the longest ban (ban 10m escalate 24h), got %q", args)
+	}
+	if ban, err = parseDuration(d, "ban", args[0]); err != nil {
+		return 0, 0, err
+	}
+	switch len(args) {
+	case 2:
+		banMax = caddy.Duration(DefaultBanMax)
+		if ban >= banMax {
+			return 0, 0, d.Errf("invalid ban %s escalate: the default longest ban is %s; name a longer one (ban %s escalate <longest>)", time.Duration(ban), DefaultBanMax, args[0])
+		}
+	case 3:
+		if banMax, err = parseDuration(d, "ban escalate", args[2]); err != nil {
+			return 0, 0, err
+		}
+	}
+	return ban, banMax, nil
 }
 
 // unmarshalStore parses "store memory" or "store redis { ... }"; d is at

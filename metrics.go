@@ -13,7 +13,7 @@ import (
 // config.
 var (
 	requestsDesc = prometheus.NewDesc("caddy_rate_limit_requests_total",
-		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, invalid, degraded_allowed, degraded_denied).",
+		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, invalid, degraded_allowed, degraded_denied, delayed).",
 		[]string{"zone", "result"}, nil)
 	refusalsDesc = prometheus.NewDesc("caddy_rate_limit_refusals_total",
 		"Refusals by zone and limit: a request refused by several limits counts in each (dry-run refusals included).",

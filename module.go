@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -187,8 +188,61 @@ type RateLimit struct {
 	// Status is the status of a refusal, from 400 to 599. Default: 429.
 	Status int `json:"status,omitempty"`
 
+	// CountStatus, when set, makes only responses with these statuses
+	// count against the limits: codes ("401"), classes ("4xx") or ranges
+	// ("500-599"); ["all"] counts every response. Every request is still
+	// judged first, and a key over its limit is refused before the next
+	// handler runs. An admitted request holds its units while it is
+	// served and gives them back when its status does not count, so that
+	// concurrent requests of one key never overshoot the limit. A
+	// WebSocket handshake always counts. Default: every response counts.
+	CountStatus []string `json:"count_status,omitempty"`
+
+	// Cost is how many units of each limit's quota a request spends: a
+	// whole number from 1 to 1000000000, or a placeholder evaluated per
+	// request (a value that is not such a number costs 1, and the first
+	// one is logged). A request that costs more than the quota left is
+	// refused and spends nothing. Default: 1.
+	Cost string `json:"cost,omitempty"`
+
+	// Ban refuses a key that goes over a limit for this long from its
+	// first refusal, not only until its window resets; Retry-After and the
+	// quota headers say so. Bans are listed by the admin API
+	// (banned_until) and lifted by its unblock; in a Redis zone they hold
+	// on every instance. From 1s to 366 days. Default: no ban.
+	Ban caddy.Duration `json:"ban,omitempty"`
+
+	// BanMax escalates bans: each violation within a day of the key's
+	// previous one doubles its ban, up to BanMax (above Ban, at most 366
+	// days). Default: no escalation.
+	BanMax caddy.Duration `json:"ban_max,omitempty"`
+
+	// Burst is, with algorithm gcra, how many requests a key with a full
+	// bucket may send at once, from 1 to 1000000000. Default: Max.
+	Burst int `json:"burst,omitempty"`
+
+	// Delay makes a request that would be admitted within this long wait
+	// instead of being refused (nginx's limit_req delay), at most 1m. A
+	// client that goes away while waiting spends nothing. Cannot be
+	// combined with Ban. Default: no delay.
+	Delay caddy.Duration `json:"delay,omitempty"`
+
+	// DelayPerKey bounds the requests of one key waiting at once; one
+	// more is refused. Default: 4.
+	DelayPerKey int `json:"delay_per_key,omitempty"`
+
+	// DelayTotal bounds the requests waiting at once in the handler.
+	// Default: 1000.
+	DelayTotal int `json:"delay_total,omitempty"`
+
 	zone     *zone
 	policies []policy // the first limit, then Limits
+	// countStatus is set when a limit counts by response status.
+	countStatus bool
+	// costs is set when a limit's cost is a placeholder.
+	costs      bool
+	costWarned *atomic.Bool // set once a bad cost value has been logged
+	waitRoom   *waitRoom    // nil without delay
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
@@ -267,16 +321,34 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 
-	sliding := rl.Algorithm == AlgorithmSliding
-	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding}
+	sliding, gcra := rl.Algorithm == AlgorithmSliding, rl.Algorithm == AlgorithmGCRA
+	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding, GCRA: gcra}
 	rl.policies = []policy{newPolicy(rl.Zone, "", first, rl.Key, rl.Missing)}
+	rl.policies[0].setAbuse(rl.abuse())
 	for _, l := range rl.Limits {
 		key := l.Key
 		if key == "" {
 			key = rl.Key
 		}
-		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding}
-		rl.policies = append(rl.policies, newPolicy(l.Name, l.Name, lim, key, l.Missing))
+		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding, GCRA: gcra}
+		p := newPolicy(l.Name, l.Name, lim, key, l.Missing)
+		p.setAbuse(l.abuse(rl))
+		rl.policies = append(rl.policies, p)
+	}
+	rl.countStatus, rl.costs, rl.costWarned = false, false, new(atomic.Bool)
+	for i := range rl.policies {
+		rl.countStatus = rl.countStatus || rl.policies[i].countStatus != nil
+		rl.costs = rl.costs || rl.policies[i].costKey != ""
+	}
+	rl.waitRoom = nil
+	if rl.Delay > 0 {
+		if rl.DelayPerKey == 0 {
+			rl.DelayPerKey = DefaultDelayPerKey
+		}
+		if rl.DelayTotal == 0 {
+			rl.DelayTotal = DefaultDelayTotal
+		}
+		rl.waitRoom = &waitRoom{byKey: map[string]int{}, perKey: rl.DelayPerKey, cap: rl.DelayTotal}
 	}
 	items := make([]string, len(rl.policies))
 	for i := range rl.policies {
@@ -379,6 +451,9 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		}
 		checks[n], of[n] = p.check, i
 		checks[n].Key = key
+		if p.costKey != "" {
+			checks[n].Cost = rl.requestCost(p, repl)
+		}
 		n++
 	}
 	if n == 0 {
@@ -402,6 +477,19 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	for i := range n {
 		allowed = allowed && out[i].Allowed
 	}
+	delayed := false
+	if !allowed && rl.waitRoom != nil && !rl.DryRun {
+		var err error
+		if allowed, err = rl.delayed(r, d, n); err != nil {
+			if errors.Is(err, errClientGone) || r.Context().Err() != nil {
+				return caddyhttp.Error(statusClientClosedRequest, err)
+			}
+			rl.zone.count(resultDegradedDenied)
+			w.Header().Set("Retry-After", "1")
+			return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
+		}
+		delayed = allowed
+	}
 	m := constraining(out[:n])
 	v := out[m]
 	key := checks[m].Key
@@ -422,7 +510,14 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if ws && (allowed || rl.DryRun) {
 		return rl.serveWebSocket(w, r, next, checks[0].Key, v, allowed)
 	}
-	rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
+	if delayed && !v.StoreError {
+		rl.zone.count(resultDelayed)
+	} else {
+		rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
+	}
+	if allowed && rl.countStatus {
+		return rl.serveCounted(w, r, next, d, n, now)
+	}
 	if allowed || rl.DryRun {
 		return next.ServeHTTP(w, r)
 	}
@@ -594,14 +689,14 @@ func (rl *RateLimit) isEnabled() bool {
 func (rl *RateLimit) sharedSettings() string {
 	limits := make([]string, len(rl.Limits))
 	for i, l := range rl.Limits {
-		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window))
+		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.abuse(rl).shared()
 	}
 	algorithm := rl.Algorithm
 	if algorithm == "" {
 		algorithm = AlgorithmFixed
 	}
-	return fmt.Sprintf("window=%s max=%d limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t store=%s",
-		time.Duration(rl.Window), rl.Max, strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
+	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t store=%s",
+		time.Duration(rl.Window), rl.Max, rl.abuse().shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
 }
 
 // validZoneName reports whether name is a usable zone name: it appears in

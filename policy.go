@@ -52,6 +52,44 @@ type LimitConfig struct {
 	// other value is counted as that key (a canonical identity such as
 	// "anonymous"). Default: "ip".
 	Missing string `json:"missing,omitempty"`
+
+	// CountStatus, when set, replaces the handler's CountStatus in this
+	// limit; ["all"] counts every response. Default: the handler's.
+	CountStatus []string `json:"count_status,omitempty"`
+
+	// Cost, when set, replaces the handler's Cost in this limit.
+	// Default: the handler's.
+	Cost string `json:"cost,omitempty"`
+
+	// Ban, when set, replaces the handler's Ban (and BanMax) in this
+	// limit. Default: the handler's.
+	Ban caddy.Duration `json:"ban,omitempty"`
+
+	// BanMax escalates this limit's Ban, as the handler's BanMax does.
+	BanMax caddy.Duration `json:"ban_max,omitempty"`
+
+	// Burst, when set, replaces the handler's Burst in this limit
+	// (algorithm gcra). Default: the handler's, or Max.
+	Burst int `json:"burst,omitempty"`
+}
+
+// abuse returns the limit's abuse controls, the handler's where the limit
+// sets none.
+func (l LimitConfig) abuse(rl *RateLimit) abuseSettings {
+	a := rl.abuse()
+	if len(l.CountStatus) > 0 {
+		a.countStatus = l.CountStatus
+	}
+	if l.Cost != "" {
+		a.cost = l.Cost
+	}
+	if l.Ban != 0 || l.BanMax != 0 {
+		a.ban, a.banMax = time.Duration(l.Ban), time.Duration(l.BanMax)
+	}
+	if l.Burst != 0 {
+		a.burst = l.Burst
+	}
+	return a
 }
 
 // policy is one limit as a handler runs it.
@@ -66,6 +104,9 @@ type policy struct {
 	quoted     string        // the name as a quoted string, for the IETF headers
 	maxStr     string
 	errInvalid error
+
+	countStatus []statusRange // responses that count; nil: every one
+	costKey     string        // the cost placeholder; "" for the constant check.Cost
 }
 
 // newPolicy builds a limit as the handler runs it.
@@ -164,12 +205,28 @@ func (rl *RateLimit) checkLimits() []error {
 		if err := checkMissing(what+" missing", l.Missing); err != nil {
 			errs = append(errs, err)
 		}
+		errs = append(errs, checkAbuse(what, LimitConfig{CountStatus: l.CountStatus, Cost: l.Cost, Ban: l.Ban, BanMax: l.BanMax, Burst: l.Burst}.abuse(&RateLimit{}), rl.Algorithm)...)
+	}
+	errs = append(errs, checkAbuse("", rl.abuse(), rl.Algorithm)...)
+	if d := time.Duration(rl.Delay); d < 0 || d > MaxDelay {
+		errs = append(errs, fmt.Errorf("invalid delay %s: must be at most %s", d, MaxDelay))
+	}
+	if rl.DelayPerKey < 0 || rl.DelayPerKey > MaxDelayWaiting {
+		errs = append(errs, fmt.Errorf("invalid delay_per_key %d: must be from 1 to %d", rl.DelayPerKey, MaxDelayWaiting))
+	}
+	if rl.DelayTotal < 0 || rl.DelayTotal > MaxDelayWaiting {
+		errs = append(errs, fmt.Errorf("invalid delay_total %d: must be from 1 to %d", rl.DelayTotal, MaxDelayWaiting))
+	}
+	if rl.Delay == 0 && (rl.DelayPerKey != 0 || rl.DelayTotal != 0) {
+		errs = append(errs, fmt.Errorf("invalid delay_per_key %d / delay_total %d: they bound delay, which is not set", rl.DelayPerKey, rl.DelayTotal))
+	}
+	if rl.Delay != 0 && rl.bans() {
+		errs = append(errs, fmt.Errorf("invalid delay %s: a handler that bans cannot delay (the refusal a delay would wait out starts a ban)", time.Duration(rl.Delay)))
 	}
 	switch rl.Algorithm {
-	case "", AlgorithmFixed:
-	case AlgorithmSliding:
+	case "", AlgorithmFixed, AlgorithmSliding, AlgorithmGCRA:
 	default:
-		errs = append(errs, fmt.Errorf("invalid algorithm %q: must be fixed or sliding", rl.Algorithm))
+		errs = append(errs, fmt.Errorf("invalid algorithm %q: must be fixed, sliding or gcra", rl.Algorithm))
 	}
 	if rl.Status != 0 && (rl.Status < 400 || rl.Status > 599) {
 		errs = append(errs, fmt.Errorf("invalid status %d: must be from 400 to 599", rl.Status))
@@ -281,4 +338,31 @@ func constraining(out []limiter.Verdict) int {
 		}
 	}
 	return best
+}
+
+// abuse returns the handler's abuse controls, which apply to every limit
+// that sets none of its own.
+func (rl *RateLimit) abuse() abuseSettings {
+	return abuseSettings{countStatus: rl.CountStatus, cost: rl.Cost, ban: time.Duration(rl.Ban), banMax: time.Duration(rl.BanMax), burst: rl.Burst}
+}
+
+// bans reports whether any limit of the handler bans.
+func (rl *RateLimit) bans() bool {
+	if rl.Ban != 0 {
+		return true
+	}
+	for _, l := range rl.Limits {
+		if l.Ban != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// setAbuse applies a limit's abuse controls, checked already, to p.
+func (p *policy) setAbuse(a abuseSettings) {
+	p.countStatus, _ = parseStatusRanges("count_status", a.countStatus)
+	p.setCost(a.cost)
+	p.check.Limit.Ban, p.check.Limit.BanMax = a.ban, a.banMax
+	p.check.Limit.Burst = a.burst
 }

@@ -73,11 +73,12 @@ const (
 	resultInvalid                // refused with 400: a limit that rejects a request without its key
 	resultDegradedAllowed        // admitted while the shared store failed (on_error allow, or local admitted)
 	resultDegradedDenied         // refused with 503 because the shared store failed (on_error deny)
+	resultDelayed                // admitted after waiting (delay)
 	numResults
 )
 
 // resultNames are the result label values, indexed by outcome.
-var resultNames = [numResults]string{"allowed", "limited", "dry_run", "invalid", "degraded_allowed", "degraded_denied"}
+var resultNames = [numResults]string{"allowed", "limited", "dry_run", "invalid", "degraded_allowed", "degraded_denied", "delayed"}
 
 // count records one decision with the given outcome.
 func (z *zone) count(result int) { z.results[result].Add(1) }
@@ -197,6 +198,12 @@ func (z *zone) hold(rl *RateLimit) {
 		if !ok {
 			continue
 		}
+		if prev.GCRA != p.check.Limit.GCRA && z.mem != nil {
+			// A window count read as an arrival time, or the reverse,
+			// means nothing: the limit starts afresh. (Redis tells them
+			// apart: internal/limiter/redis.lua.)
+			z.mem.ClearSlot(p.check.Slot)
+		}
 		switch {
 		case prev.Window == p.check.Limit.Window:
 			p.check.Limit.Since = prev.Since
@@ -213,7 +220,7 @@ func (z *zone) hold(rl *RateLimit) {
 			if z.mem != nil {
 				z.mem.CutWindows(p.check.Slot, cutoff)
 			}
-			if z.redis != nil && !p.check.Limit.Sliding {
+			if z.redis != nil && !p.check.Limit.Sliding && !p.check.Limit.GCRA {
 				// A sliding window's keys outlive its end by a window
 				// (internal/limiter/redis.lua): a shorter one applies from each
 				// key's next window.

@@ -32,6 +32,50 @@ type Limit struct {
 	// overlap, plus the current window's count, must stay within Max. False
 	// is the fixed window.
 	Sliding bool
+	// GCRA selects the generic cell rate algorithm, a token bucket kept
+	// as one timestamp per key (its theoretical arrival time): Max
+	// requests per Window as a steady rate, one every Window/Max, with
+	// bursts of up to Burst. It takes precedence over Sliding.
+	GCRA bool
+	// Burst is, for GCRA, how many requests a key with a full bucket may
+	// send at once. 0 means Max.
+	Burst int
+	// Ban, when positive, refuses a key that goes over the limit for this
+	// long from its first refusal, whatever its window says.
+	Ban time.Duration
+	// BanMax, when above Ban, escalates bans: each violation within a day
+	// of the key's previous one doubles its ban, up to BanMax.
+	BanMax time.Duration
+}
+
+// BanStrikeMemory is how long a key's violations count towards an
+// escalated ban: a violation more than this after the previous one starts
+// again from Ban.
+const BanStrikeMemory = 24 * time.Hour
+
+// banFor returns the ban of a key's strikes-th violation in a row.
+func (l *Limit) banFor(strikes int64) time.Duration {
+	d := l.Ban
+	for ; strikes > 1 && d < l.BanMax; strikes-- {
+		d *= 2
+	}
+	if l.BanMax > l.Ban {
+		d = min(d, l.BanMax)
+	}
+	return d
+}
+
+// interval returns, for GCRA, the time one request takes to drip back.
+func (l *Limit) interval() int64 {
+	return max(int64(l.Window)/int64(max(l.Max, 1)), 1)
+}
+
+// burst returns, for GCRA, the bucket's size in requests.
+func (l *Limit) burst() int64 {
+	if l.Burst > 0 {
+		return int64(l.Burst)
+	}
+	return int64(l.Max)
 }
 
 // End returns when a window that would end at reset (Unix nanoseconds) ends
@@ -82,7 +126,14 @@ type Check struct {
 	Name  string
 	Key   string
 	Limit Limit
+	// Cost is how many units of the quota the request spends; 0 means 1.
+	// A request that costs more than the quota left is refused and spends
+	// nothing.
+	Cost int
 }
+
+// cost returns what the check spends when admitted: Cost, at least 1.
+func (c *Check) cost() int64 { return int64(max(c.Cost, 1)) }
 
 // Verdict is a store's answer to one Hit: whether the request is admitted and
 // the quota figures the handler turns into response headers.
@@ -126,6 +177,9 @@ type KeyState struct {
 	// Name is the limit the key is counted in: "" for a zone's first limit,
 	// else the name of its Check.
 	Name string
+	// BannedUntil is when the key's ban ends (Limit.Ban); zero when it is
+	// not banned.
+	BannedUntil time.Time
 }
 
 // Store keeps the per-key counters of one zone. Implementations are safe for
@@ -158,7 +212,15 @@ type Store interface {
 	Forget(ctx context.Context, key string) (bool, error)
 
 	// ForgetCheck drops c.Key from c's limit only (c.Limit is not read).
+	// A ban and the violations that escalate it go too.
 	ForgetCheck(ctx context.Context, c Check) (bool, error)
+
+	// Refund gives back what an admitted decision spent in each check
+	// (its Cost), for a request that turned out not to count (a response
+	// status outside count_status). verdicts are Decide's, made at
+	// decided. A window that ended since is left alone: the units went
+	// with it.
+	Refund(ctx context.Context, checks []Check, decided time.Time, verdicts []Verdict) error
 }
 
 // sliding returns the requests the sliding-window counter holds against a
@@ -174,6 +236,15 @@ func (l Limit) sliding(prev, count int64, reset, t int64) float64 {
 // now, and whether one more would be refused: its count, or for a sliding
 // window the weighted previous count plus the count.
 func (l Limit) Weigh(ks KeyState, now time.Time) (float64, bool) {
+	if ks.BannedUntil.After(now) {
+		return float64(max(ks.Count, l.Max)), true
+	}
+	if l.GCRA {
+		// The bucket is empty at Reset, the key's theoretical arrival
+		// time: what it holds is the time to it in intervals.
+		held := float64(ks.Reset.Sub(now)) / float64(l.interval())
+		return max(held, 0), held+1 > float64(l.burst())
+	}
 	if !l.Sliding {
 		return float64(ks.Count), ks.Count >= l.Max
 	}
@@ -182,19 +253,21 @@ func (l Limit) Weigh(ks KeyState, now time.Time) (float64, bool) {
 }
 
 // slidingWait returns how long after t a key of the sliding-window counter
-// (prev, count, window ending at reset) waits until one more request fits.
-func (l Limit) slidingWait(prev, count int64, reset, t int64) time.Duration {
+// (prev, count, window ending at reset) waits until a request of cost units
+// fits.
+func (l Limit) slidingWait(prev, count int64, reset, t, cost int64) time.Duration {
 	w := float64(l.Window)
 	m := float64(l.Max)
-	if count < int64(l.Max) {
+	c := float64(cost)
+	if count+cost <= int64(l.Max) {
 		if prev == 0 {
 			return 0
 		}
-		// prev*(reset-t')/w + count + 1 <= max
-		at := float64(reset) - (m-float64(count)-1)*w/float64(prev)
+		// prev*(reset-t')/w + count + cost <= max
+		at := float64(reset) - (m-float64(count)-c)*w/float64(prev)
 		return time.Duration(max(at-float64(t), 0))
 	}
 	// In the next window prev is count and the new count 0.
-	at := float64(reset) + w - (m-1)*w/float64(count)
+	at := float64(reset) + w - (m-c)*w/float64(max(count, 1))
 	return time.Duration(max(at-float64(t), 1))
 }

@@ -28,6 +28,7 @@ type MemoryStore struct {
 	mask       uint64
 	maxTracked atomic.Int64
 	tracked    atomic.Int64
+	banned     atomic.Int64 // ban entries, at most maxTracked
 	evictions  atomic.Uint64
 	purging    atomic.Bool
 	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
@@ -55,6 +56,14 @@ func (e memEntry) expires() int64 {
 	return e.reset + int64(e.span)*int64(time.Second)
 }
 
+// banEntry is a key's ban in one limit (Limit.Ban), kept apart from its
+// window: a ban outlives the window, and a limit without bans pays nothing.
+type banEntry struct {
+	until   int64 // Unix nanoseconds at which the ban ends
+	keep    int64 // Unix nanoseconds until which the entry is kept: the ban's end, or the strikes' memory
+	strikes int32 // violations in a row, each within BanStrikeMemory of the one before
+}
+
 // orderItem records one insertion; an item whose seq no longer matches the
 // entry's is stale (the key was purged, forgotten or re-inserted). The low
 // bits of seq hold the entry's slot, so that the item stays 24 bytes.
@@ -75,6 +84,7 @@ func (it orderItem) slot() int { return int(it.seq & (1<<slotBits - 1)) }
 type memShard struct {
 	mu      sync.Mutex
 	entries [MaxChecks]map[string]memEntry // by limit slot; nil until used
+	bans    [MaxChecks]map[string]banEntry // banned keys by limit slot; nil until used
 	order   []orderItem                    // insertion order; live items start at head
 	head    int
 	seq     uint64
@@ -113,7 +123,7 @@ func (s *MemoryStore) SetSlotName(slot int, name string) {
 	s.names[slot] = name
 	s.namesMu.Unlock()
 	if old != name {
-		s.clearSlot(slot)
+		s.ClearSlot(slot)
 	}
 }
 
@@ -124,8 +134,9 @@ func (s *MemoryStore) slotName(slot int) string {
 	return s.names[slot]
 }
 
-// clearSlot forgets every key counted in slot.
-func (s *MemoryStore) clearSlot(slot int) {
+// ClearSlot forgets every key counted in slot: its limit changed how it
+// counts (to or from GCRA).
+func (s *MemoryStore) ClearSlot(slot int) {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
@@ -135,9 +146,12 @@ func (s *MemoryStore) clearSlot(slot int) {
 		} else {
 			sh.entries[slot] = nil
 		}
+		nb := len(sh.bans[slot])
+		sh.bans[slot] = nil
 		sh.compact()
 		sh.mu.Unlock()
 		s.tracked.Add(-int64(n))
+		s.banned.Add(-int64(nb))
 	}
 }
 
@@ -203,18 +217,27 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 	}
 
 	allowed := true
+	var bannedUntil [MaxChecks]int64
 	for i := range checks {
 		c := &checks[i]
 		e := &es[i]
-		if found[i] {
-			e.roll(t, &c.Limit)
-		} else {
+		switch {
+		case !found[i]:
 			*e = memEntry{reset: t + int64(c.Limit.Window)}
-			if c.Limit.Sliding {
+			if c.Limit.GCRA {
+				e.reset = t // a full bucket
+			} else if c.Limit.Sliding {
 				e.span = int32(c.Limit.Window / time.Second)
 			}
+		case !c.Limit.GCRA:
+			e.roll(t, &c.Limit)
 		}
-		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.reset), Allowed: e.admits(t, &c.Limit)}
+		if c.Limit.Ban > 0 {
+			if b, ok := s.shards[idx[i]].bans[c.Slot][c.Key]; ok && b.until > t {
+				bannedUntil[i] = b.until
+			}
+		}
+		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: bannedUntil[i] == 0 && e.admits(t, c)}
 		allowed = allowed && out[i].Allowed
 	}
 	for i := range checks {
@@ -222,15 +245,27 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		e := &es[i]
 		switch {
 		case allowed:
-			e.count++
+			e.spend(t, c)
 		case !out[i].Allowed:
 			if e.refused < math.MaxInt32 {
 				e.refused++
 			}
 			out[i].FirstRefusal = e.refused == 1
-			out[i].RetryAfter = e.wait(t, &c.Limit)
+			out[i].RetryAfter = e.wait(t, c)
+			if c.Limit.Ban > 0 {
+				if bannedUntil[i] == 0 {
+					bannedUntil[i] = s.ban(idx[i], c, t)
+				}
+				if bannedUntil[i] > t {
+					out[i].Reset = time.Unix(0, bannedUntil[i])
+					out[i].RetryAfter = time.Duration(bannedUntil[i] - t)
+				}
+			}
 		}
-		out[i].Remaining = e.remaining(t, &c.Limit)
+		out[i].Remaining = e.remaining(t, c)
+		if bannedUntil[i] > t {
+			out[i].Remaining = 0
+		}
 		if found[i] {
 			// Written back before any insertion below, which is what may
 			// evict: the key is still in its map.
@@ -241,7 +276,7 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		c := &checks[i]
 		// A new key that counted nothing (another limit refused the
 		// request) is not tracked: it would only take room.
-		if !found[i] && (es[i].count > 0 || es[i].refused > 0) {
+		if !found[i] && (es[i].count > 0 || es[i].refused > 0 || (c.Limit.GCRA && es[i].reset > t)) {
 			s.insert(idx[i], c, &es[i])
 		}
 	}
@@ -291,28 +326,135 @@ func (e *memEntry) roll(t int64, l *Limit) {
 	}
 }
 
-// admits reports whether one more request fits the entry's window at t.
-func (e *memEntry) admits(t int64, l *Limit) bool {
-	if !l.Sliding {
-		return int64(e.count) < int64(l.Max)
+// admits reports whether the check's request (its cost) fits the entry's
+// window at t.
+func (e *memEntry) admits(t int64, c *Check) bool {
+	l := &c.Limit
+	switch {
+	case l.GCRA:
+		return max(e.reset, t)+c.cost()*l.interval()-t <= l.burst()*l.interval()
+	case l.Sliding:
+		return l.sliding(int64(e.prev), int64(e.count), e.reset, t)+float64(c.cost()) <= float64(l.Max)
 	}
-	return l.sliding(int64(e.prev), int64(e.count), e.reset, t)+1 <= float64(l.Max)
+	return int64(e.count)+c.cost() <= int64(l.Max)
+}
+
+// spend counts the check's admitted request in the entry.
+func (e *memEntry) spend(t int64, c *Check) {
+	if c.Limit.GCRA {
+		e.reset = max(e.reset, t) + c.cost()*c.Limit.interval()
+		e.refused = 0
+		return
+	}
+	e.count = int32(min(int64(e.count)+c.cost(), math.MaxInt32))
+}
+
+// end returns when the entry's window ends; for GCRA, when its bucket is
+// full again.
+func (e *memEntry) end(t int64, l *Limit) int64 {
+	if l.GCRA {
+		return max(e.reset, t)
+	}
+	return e.reset
 }
 
 // remaining returns how many more requests fit the entry's window at t.
-func (e *memEntry) remaining(t int64, l *Limit) int {
-	if !l.Sliding {
-		return int(max(int64(l.Max)-int64(e.count), 0))
+func (e *memEntry) remaining(t int64, c *Check) int {
+	l := &c.Limit
+	switch {
+	case l.GCRA:
+		return int(max((l.burst()*l.interval()-(max(e.reset, t)-t))/l.interval(), 0))
+	case l.Sliding:
+		return int(max(float64(l.Max)-math.Ceil(l.sliding(int64(e.prev), int64(e.count), e.reset, t)), 0))
 	}
-	return int(max(float64(l.Max)-math.Ceil(l.sliding(int64(e.prev), int64(e.count), e.reset, t)), 0))
+	return int(max(int64(l.Max)-int64(e.count), 0))
 }
 
-// wait returns how long a refused key waits at t until a request fits.
-func (e *memEntry) wait(t int64, l *Limit) time.Duration {
-	if !l.Sliding {
-		return time.Duration(e.reset - t)
+// wait returns how long a refused key waits at t until its request fits.
+func (e *memEntry) wait(t int64, c *Check) time.Duration {
+	l := &c.Limit
+	switch {
+	case l.GCRA:
+		return time.Duration(max(max(e.reset, t)+c.cost()*l.interval()-t-l.burst()*l.interval(), 1))
+	case l.Sliding:
+		return max(l.slidingWait(int64(e.prev), int64(e.count), e.reset, t, c.cost()), 1)
 	}
-	return max(l.slidingWait(int64(e.prev), int64(e.count), e.reset, t), 1)
+	return time.Duration(e.reset - t)
+}
+
+// ban records a violation of c's limit by c.Key at t and returns when the
+// key's ban ends, or 0 when the store holds as many bans as it tracks keys
+// and none has expired (the limit still refuses, as its window says). The
+// caller holds the shard's lock.
+func (s *MemoryStore) ban(idx uint64, c *Check, t int64) int64 {
+	sh := &s.shards[idx]
+	m := sh.bans[c.Slot]
+	if m == nil {
+		m = make(map[string]banEntry)
+		sh.bans[c.Slot] = m
+	}
+	b, ok := m[c.Key]
+	if !ok {
+		if s.banned.Load() >= s.maxTracked.Load() && sh.purgeBans(s, t) == 0 {
+			return 0
+		}
+		s.banned.Add(1)
+	}
+	if ok && b.keep > t && c.Limit.BanMax > c.Limit.Ban {
+		b.strikes = min(b.strikes+1, 62)
+	} else {
+		b.strikes = 1
+	}
+	b.until = t + int64(c.Limit.banFor(int64(b.strikes)))
+	b.keep = b.until
+	if c.Limit.BanMax > c.Limit.Ban {
+		b.keep = max(b.until, t+int64(BanStrikeMemory))
+	}
+	if ok {
+		m[c.Key] = b
+	} else {
+		m[strings.Clone(c.Key)] = b
+	}
+	return b.until
+}
+
+// purgeBans deletes the shard's bans that have expired at t and returns how
+// many. The caller holds sh.mu.
+func (sh *memShard) purgeBans(s *MemoryStore, t int64) int {
+	n := 0
+	for _, m := range sh.bans {
+		for k, b := range m {
+			if t >= b.keep {
+				delete(m, k)
+				n++
+			}
+		}
+	}
+	s.banned.Add(-int64(n))
+	return n
+}
+
+// Refund implements Store. It never returns an error.
+func (s *MemoryStore) Refund(_ context.Context, checks []Check, _ time.Time, verdicts []Verdict) error {
+	for i := range checks {
+		c := &checks[i]
+		if i >= len(verdicts) || !verdicts[i].Allowed || c.Slot < 0 || c.Slot >= MaxChecks {
+			continue
+		}
+		sh := &s.shards[s.shardIndex(c.Key, c.Slot)]
+		sh.mu.Lock()
+		if e, ok := sh.entries[c.Slot][c.Key]; ok {
+			switch {
+			case c.Limit.GCRA:
+				e.reset -= c.cost() * c.Limit.interval()
+			case e.reset == verdicts[i].Reset.UnixNano(): // the same window
+				e.count = int32(max(int64(e.count)-c.cost(), 0))
+			}
+			sh.entries[c.Slot][c.Key] = e
+		}
+		sh.mu.Unlock()
+	}
+	return nil
 }
 
 // sortedUnique writes the distinct values of idx to out in ascending order
@@ -461,7 +603,20 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 		for slot, m := range sh.entries {
 			for k, e := range m {
 				if t < e.reset {
-					batch = append(batch, KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot]})
+					ks := KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot]}
+					if b, ok := sh.bans[slot][k]; ok && b.until > t {
+						ks.BannedUntil = time.Unix(0, b.until)
+					}
+					batch = append(batch, ks)
+				}
+			}
+		}
+		for slot, m := range sh.bans {
+			for k, b := range m {
+				// A ban outlives its window: listed on its own once the
+				// window has ended.
+				if e, ok := sh.entries[slot][k]; b.until > t && (!ok || t >= e.reset) {
+					batch = append(batch, KeyState{Key: k, Reset: time.Unix(0, b.until), BannedUntil: time.Unix(0, b.until), Name: names[slot]})
 				}
 			}
 		}
@@ -498,6 +653,11 @@ func (s *MemoryStore) ForgetCheck(_ context.Context, c Check) (bool, error) {
 		delete(sh.entries[c.Slot], c.Key)
 		s.tracked.Add(-1)
 	}
+	if _, banned := sh.bans[c.Slot][c.Key]; banned {
+		delete(sh.bans[c.Slot], c.Key)
+		s.banned.Add(-1)
+		ok = true
+	}
 	sh.mu.Unlock()
 	return ok, nil
 }
@@ -529,6 +689,7 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		n := sh.purge(t)
+		sh.purgeBans(s, t)
 		sh.compact()
 		sh.mu.Unlock()
 		s.tracked.Add(-int64(n))

@@ -12,6 +12,7 @@ import (
 	"hash/maphash"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,8 +31,8 @@ var hitSource string
 
 var hitScript = redis.NewScript(hitSource)
 
-// releaseScript gives back a Cluster decision's reservation in one slot:
-// see redis_release.lua.
+// releaseScript gives back what admitted requests spent: a Cluster
+// decision's reservation in one slot, or a refund (see redis_release.lua).
 //
 //go:embed redis_release.lua
 var releaseSource string
@@ -269,10 +270,12 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	}
 	s.succeeded()
 	for i, c := range checks {
-		if !out[i].Allowed {
+		if !out[i].Allowed && (c.cost() == 1 || out[i].Remaining == 0) {
 			// Cached until a request fits again: the window's end, or
 			// for a sliding window when the previous count has faded
-			// enough.
+			// enough (or the ban's end). A costly request's refusal is
+			// cached only when a request of one unit would be refused
+			// too.
 			s.refused.put(cacheKey(c.Name, c.Key), t+int64(out[i].RetryAfter), c.Limit.Max, t)
 		}
 	}
@@ -296,27 +299,43 @@ func splitCacheKey(k string) (name, key string) {
 	return "", k
 }
 
+// keysPerCheck is how many Redis keys a check's decision touches: count,
+// refused and previous count, and ban and strikes when its limit bans.
+func keysPerCheck(c *Check) int {
+	if c.Limit.Ban > 0 {
+		return 5
+	}
+	return 3
+}
+
 // decideRedis runs the decision script for the checks: once, or on a
 // Cluster once per slot they span (see Decide).
 func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
-	var keys [3 * MaxChecks]string
-	for i, c := range checks {
+	var keys [5 * MaxChecks]string
+	var at [MaxChecks + 1]int // check i's keys are keys[at[i]:at[i+1]]
+	for i := range checks {
+		c := &checks[i]
 		base := s.base(c.Name, s.tag(c.Key))
-		keys[3*i], keys[3*i+1], keys[3*i+2] = base+"c", base+"r", base+"p"
+		k := keys[at[i]:]
+		k[0], k[1], k[2] = base+"c", base+"r", base+"p"
+		if c.Limit.Ban > 0 {
+			k[3], k[4] = base+"b", base+"s"
+		}
+		at[i+1] = at[i] + keysPerCheck(c)
 	}
 	_, cluster := s.client.(*redis.ClusterClient)
 	if !cluster || len(checks) == 1 {
-		return s.runDecision(ctx, checks, keys[:3*len(checks)], now, out)
+		return s.runDecision(ctx, checks, keys[:at[len(checks)]], now, out)
 	}
 	// Group the checks by slot, in the order their slots first appear.
 	var slotOf [MaxChecks]uint16
 	for i := range checks {
-		slotOf[i] = clusterSlot(keys[3*i])
+		slotOf[i] = clusterSlot(keys[at[i]])
 	}
 	done := make([]bool, len(checks))
-	var reserved [][]string // count keys of the slots that admitted
+	var reserved [][]int // the checks of each slot that admitted
 	admitted := true
 	for i := range checks {
 		if done[i] {
@@ -330,14 +349,14 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 			}
 		}
 		group := make([]Check, len(idx))
-		gkeys := make([]string, 0, 3*len(idx))
+		gkeys := make([]string, 0, 5*len(idx))
 		for k, j := range idx {
 			group[k] = checks[j]
-			gkeys = append(gkeys, keys[3*j], keys[3*j+1], keys[3*j+2])
+			gkeys = append(gkeys, keys[at[j]:at[j+1]]...)
 		}
 		gout := make([]Verdict, len(idx))
 		if err := s.runDecision(ctx, group, gkeys, now, gout); err != nil {
-			s.release(ctx, reserved)
+			s.release(ctx, checks, reserved)
 			return err
 		}
 		slotAdmits := true
@@ -352,62 +371,118 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 			admitted = false
 			continue
 		}
-		counted := make([]string, 0, len(idx))
-		for _, j := range idx {
-			counted = append(counted, keys[3*j])
-		}
-		reserved = append(reserved, counted)
+		reserved = append(reserved, idx)
 	}
 	if admitted {
 		return nil
 	}
-	s.release(ctx, reserved)
-	for i, c := range checks {
+	s.release(ctx, checks, reserved)
+	for i := range checks {
+		c := &checks[i]
 		if out[i].Allowed {
-			out[i].Remaining = min(out[i].Remaining+1, c.Limit.Max) // its reservation was given back
+			out[i].Remaining = min(out[i].Remaining+int(c.cost()), c.Limit.Max) // its reservation was given back
 		}
 	}
 	return nil
 }
 
-// release gives back the counts reserved in each slot group. It runs even
-// when the decision's own deadline has passed (a slow slot is why a
-// decision fails), with a deadline of its own. A failure is logged: the
-// counts then stand until their windows end.
-func (s *RedisStore) release(ctx context.Context, groups [][]string) {
+// release gives back what the checks of each group spent (each group's
+// keys share a slot). It runs even when the decision's own deadline has
+// passed (a slow slot is why a decision fails), with a deadline of its
+// own. A failure is logged: the counts then stand until their windows end.
+func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int) {
 	if len(groups) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.slowTimeout())
 	defer cancel()
-	for _, keys := range groups {
-		if err := releaseScript.Run(ctx, s.client, keys).Err(); err != nil {
-			s.logger.Warn("giving back a refused request's counts", zap.Strings("keys", keys), zap.Error(err))
+	for _, idx := range groups {
+		keys := make([]string, 0, len(idx))
+		args := make([]any, 0, 2*len(idx))
+		for _, j := range idx {
+			c := &checks[j]
+			keys = append(keys, s.base(c.Name, s.tag(c.Key))+"c")
+			args = append(args, c.cost(), refundInterval(c))
+		}
+		if err := releaseScript.Run(ctx, s.client, keys, args...).Err(); err != nil {
+			s.logger.Warn("giving back a request's counts", zap.Strings("keys", keys), zap.Error(err))
 		}
 	}
 }
 
-// runDecision runs the decision script once for checks, whose keys (count,
-// refused and previous count key of each, in order) share one slot.
-func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []string, now time.Time, out []Verdict) error {
-	var args [4 * MaxChecks]any
-	for i, c := range checks {
-		sliding := 0
-		if c.Limit.Sliding {
-			sliding = 1
-		}
-		args[4*i], args[4*i+1], args[4*i+2], args[4*i+3] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds(), sliding
+// refundInterval is the release script's second argument for c: for GCRA,
+// the microseconds one unit takes to drip back; else 0.
+func refundInterval(c *Check) int64 {
+	if !c.Limit.GCRA {
+		return 0
 	}
-	res, err := hitScript.Run(ctx, s.client, keys, args[:4*len(checks)]...).Int64Slice()
+	return max(c.Limit.interval()/int64(time.Microsecond), 1)
+}
+
+// refundMargin is how long before its window ends a refund is still sent:
+// closer to the end, the window may have ended in Redis and the refund
+// would spend a unit of the next one.
+const refundMargin = 20 * time.Millisecond
+
+// Refund implements Store. Each check's units go back in one call per key
+// (the keys of one decision may be in several Cluster slots); a window that
+// ends within refundMargin is left alone. A refund also reaches the local
+// fallback store when the decision was made there.
+func (s *RedisStore) Refund(ctx context.Context, checks []Check, decided time.Time, verdicts []Verdict) error {
+	var groups [][]int
+	now := time.Now()
+	for i := range checks {
+		c := &checks[i]
+		if i >= len(verdicts) || !verdicts[i].Allowed {
+			continue
+		}
+		if verdicts[i].StoreError {
+			_ = s.local.Refund(ctx, checks[i:i+1], decided, verdicts[i:i+1])
+			continue
+		}
+		if !c.Limit.GCRA && verdicts[i].Reset.Sub(now) < refundMargin {
+			continue
+		}
+		groups = append(groups, []int{i})
+		// A refusal cached while this request held its units may no
+		// longer hold.
+		s.refused.forget(cacheKey(c.Name, c.Key))
+	}
+	s.release(ctx, checks, groups)
+	return nil
+}
+
+// runDecision runs the decision script once for checks, whose keys (those
+// keysPerCheck counts for each, in order) share one slot.
+func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []string, now time.Time, out []Verdict) error {
+	var args [7 * MaxChecks]any
+	for i := range checks {
+		c := &checks[i]
+		mode, burst := 0, 0
+		switch {
+		case c.Limit.GCRA:
+			mode, burst = 2, int(c.Limit.burst())
+		case c.Limit.Sliding:
+			mode = 1
+		}
+		a := args[7*i : 7*i+7]
+		a[0], a[1], a[2], a[3] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds(), mode
+		a[4], a[5], a[6] = c.cost(), burst, ""
+		if c.Limit.Ban > 0 {
+			a[6] = strconv.FormatInt(c.Limit.Ban.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Limit.BanMax.Milliseconds(), 10)
+		}
+	}
+	res, err := hitScript.Run(ctx, s.client, keys, args[:7*len(checks)]...).Int64Slice()
 	if err != nil {
 		return err
 	}
-	if len(res) != 5*len(checks) {
-		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 5*len(checks))
+	if len(res) != 7*len(checks) {
+		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 7*len(checks))
 	}
 	t := now.UnixNano()
-	for i, c := range checks {
-		r := res[5*i : 5*i+5]
+	for i := range checks {
+		c := &checks[i]
+		r := res[7*i : 7*i+7]
 		left := time.Duration(r[2]) * time.Millisecond
 		v := Verdict{
 			Allowed:   r[0] == 1,
@@ -416,15 +491,25 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 			Reset:     now.Add(left),
 		}
 		reset := t + int64(left)
-		if c.Limit.Sliding {
+		switch {
+		case c.Limit.GCRA:
+			v.Remaining = int(max(c.Limit.burst()-r[1], 0))
+		case c.Limit.Sliding:
 			v.Remaining = int(max(float64(c.Limit.Max)-math.Ceil(c.Limit.sliding(r[4], r[1], reset, t)), 0))
 		}
 		if !v.Allowed {
 			v.RetryAfter = left
-			if c.Limit.Sliding {
-				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t), time.Millisecond)
+			switch {
+			case r[5] >= 0:
+				v.RetryAfter = max(time.Duration(r[5])*time.Millisecond, time.Millisecond)
+			case c.Limit.Sliding:
+				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t, c.cost()), time.Millisecond)
 			}
 			v.FirstRefusal = r[3] == 1
+		}
+		if r[6] == 1 {
+			v.Remaining = 0
+			v.Reset = now.Add(v.RetryAfter)
 		}
 		out[i] = v
 	}
@@ -758,7 +843,7 @@ const probeTag = "__probe"
 // would cycle between degraded and recovering.
 func (s *RedisStore) probeOnce(ctx context.Context) error {
 	base := s.base("", probeTag)
-	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r", base + "p"}, 1<<30, 1000, 1000, 0).Err()
+	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r", base + "p"}, 1<<30, 1000, 1000, 0, 1, 0, "").Err()
 }
 
 // tag returns the part of the Redis keys that names the client: the key
@@ -784,8 +869,8 @@ func (s *RedisStore) base(name, tag string) string {
 	return s.prefix + "@" + name + ":{" + tag + "}:"
 }
 
-// parseKey splits a count key the store wrote into the limit name and the
-// tag; ok is false for a key of another zone whose name the prefix starts.
+// parseKey splits a count or ban key the store wrote into the limit name
+// and the tag; ok is false for a key of another zone whose name the prefix starts.
 func (s *RedisStore) parseKey(k string) (name, tag string, ok bool) {
 	rest, ok := strings.CutPrefix(k, s.prefix)
 	if !ok {
@@ -798,7 +883,7 @@ func (s *RedisStore) parseKey(k string) (name, tag string, ok bool) {
 		}
 		name, rest = after[:i], after[i+1:]
 	}
-	if !strings.HasPrefix(rest, "{") || !strings.HasSuffix(rest, "}:c") {
+	if !strings.HasPrefix(rest, "{") || !(strings.HasSuffix(rest, "}:c") || strings.HasSuffix(rest, "}:b")) {
 		return "", "", false
 	}
 	return name, rest[1 : len(rest)-3], true
@@ -908,7 +993,7 @@ const scanPage = 500
 
 // scan calls fn for each live count key of the zone on one Redis node.
 func (s *RedisStore) scan(ctx context.Context, c scanner, now time.Time, fn func(KeyState) bool) error {
-	return s.scanPages(ctx, c, func(ctx context.Context, keys []string) error {
+	return s.scanPages(ctx, c, "[cb]", func(ctx context.Context, keys []string) error {
 		return s.readPage(ctx, c, keys, now, fn)
 	})
 }
@@ -931,7 +1016,7 @@ func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) 
 	s.refused.forgetAfter(cutoff.UnixNano())
 	s.local.CutWindows(c.Slot, cutoff)
 	return s.forEachNode(ctx, func(ctx context.Context, node scanner) error {
-		return s.scanPages(ctx, node, func(ctx context.Context, keys []string) error {
+		return s.scanPages(ctx, node, "c", func(ctx context.Context, keys []string) error {
 			keys = slices.DeleteFunc(keys, func(k string) bool {
 				name, _, ok := s.parseKey(k)
 				return !ok || name != c.Name
@@ -954,10 +1039,11 @@ func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) 
 	})
 }
 
-// scanPages calls page with each page of the zone's count keys on one Redis
-// node.
-func (s *RedisStore) scanPages(ctx context.Context, c scanner, page func(ctx context.Context, keys []string) error) error {
-	pattern := escapeGlob(s.prefix) + "*{*}:c"
+// scanPages calls page with each page of the zone's keys of the kinds
+// suffix matches (a glob: "c" for count keys, "[cb]" with ban keys) on one
+// Redis node.
+func (s *RedisStore) scanPages(ctx context.Context, c scanner, suffix string, page func(ctx context.Context, keys []string) error) error {
+	pattern := escapeGlob(s.prefix) + "*{*}:" + suffix
 	var cursor uint64
 	for {
 		// Each step has its own deadline: the client has no read timeout
@@ -980,47 +1066,79 @@ func (s *RedisStore) scanPages(ctx context.Context, c scanner, page func(ctx con
 	}
 }
 
-// readPage reads the count, expiry and refused tally of a page of count
-// keys in one pipeline and passes the live ones to fn.
+// readPage reads the count, expiry, refused tally and ban of a page of
+// count and ban keys in one pipeline and passes the live ones to fn. A ban
+// key is listed on its own only once its count key has gone (a ban outlives
+// its window); before, the count key's row carries it.
 func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now time.Time, fn func(KeyState) bool) error {
 	type row struct {
 		count, refused, prev *redis.StringCmd
-		ttl                  *redis.DurationCmd
+		ttl, ban             *redis.DurationCmd
+		counted              *redis.IntCmd
 	}
 	rows := make([]row, len(keys))
 	pipe := c.Pipeline()
 	for i, k := range keys {
+		base := k[:len(k)-1]
+		if strings.HasSuffix(k, "b") {
+			rows[i] = row{ban: pipe.PTTL(ctx, k), counted: pipe.Exists(ctx, base+"c"), refused: pipe.Get(ctx, base+"r")}
+			continue
+		}
 		rows[i] = row{
 			count:   pipe.Get(ctx, k),
 			ttl:     pipe.PTTL(ctx, k),
-			refused: pipe.Get(ctx, strings.TrimSuffix(k, "c")+"r"),
-			prev:    pipe.Get(ctx, strings.TrimSuffix(k, "c")+"p"),
+			refused: pipe.Get(ctx, base+"r"),
+			prev:    pipe.Get(ctx, base+"p"),
+			ban:     pipe.PTTL(ctx, base+"b"),
 		}
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
 		return fmt.Errorf("reading redis counters: %w", err)
 	}
 	for i, k := range keys {
+		name, tag, ok := s.parseKey(k)
+		if !ok || tag == probeTag {
+			continue
+		}
+		refused, _ := rows[i].refused.Int()
+		ban := rows[i].ban.Val()
+		if rows[i].count == nil {
+			if ban <= 0 || rows[i].counted.Val() > 0 {
+				continue
+			}
+			until := now.Add(ban)
+			if !fn(KeyState{Key: tag, Refused: refused, Reset: until, BannedUntil: until, Name: name}) {
+				return errStopRange
+			}
+			continue
+		}
 		count, err := rows[i].count.Int()
 		ttl := rows[i].ttl.Val()
 		if err != nil || ttl <= 0 {
 			continue // expired between SCAN and GET
 		}
-		refused, _ := rows[i].refused.Int()
 		prev, _ := rows[i].prev.Int()
-		name, tag, ok := s.parseKey(k)
-		if !ok || tag == probeTag {
-			continue
-		}
-		if l, ok := s.limitNamed(name); ok && l.Sliding {
-			// A sliding count outlives its window by a window, as the
-			// next one's previous count (redis.lua): its window ends a
-			// window before the key does.
-			if ttl -= l.Window; ttl <= 0 {
-				continue
+		ks := KeyState{Key: tag, Count: count, Refused: refused, Prev: prev, Name: name}
+		if l, ok := s.limitNamed(name); ok {
+			switch {
+			case l.GCRA:
+				// The count key holds the theoretical arrival time; it
+				// expires when the bucket is full again.
+				ks.Count = 0
+			case l.Sliding:
+				// A sliding count outlives its window by a window, as the
+				// next one's previous count (redis.lua): its window ends
+				// a window before the key does.
+				if ttl -= l.Window; ttl <= 0 {
+					continue
+				}
 			}
 		}
-		if !fn(KeyState{Key: tag, Count: count, Refused: refused, Prev: prev, Reset: now.Add(ttl), Name: name}) {
+		ks.Reset = now.Add(ttl)
+		if ban > 0 {
+			ks.BannedUntil = now.Add(ban)
+		}
+		if !fn(ks) {
 			return errStopRange
 		}
 	}
@@ -1065,7 +1183,7 @@ func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 	for _, tag := range tags {
 		base := s.base(c.Name, tag)
 		// One DEL per tag: its keys share the tag's slot.
-		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p").Result()
+		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p", base+"b", base+"s").Result()
 		if err != nil {
 			return found, fmt.Errorf("deleting redis key %q: %w", base+"c", err)
 		}
@@ -1162,7 +1280,7 @@ func (c *refusedCache) get(key string, t int64, limit Limit) (int64, bool) {
 	}
 	// An entry that a shorter window cuts short (a reload shortened it)
 	// goes: Redis, which cuts its window too, decides instead.
-	if t >= e.reset || limit.End(e.reset, t) != e.reset {
+	if t >= e.reset || (limit.Ban == 0 && limit.End(e.reset, t) != e.reset) {
 		delete(sh.m, key)
 		return 0, false
 	}

@@ -1,19 +1,32 @@
 -- One decision over one or more limits, atomically. The handler's verdict
 -- rules are the memory store's: the request is admitted when every limit
--- admits it, and then each count goes up by one; otherwise no count goes up,
--- and each limit that refuses tallies a refusal in a key that expires with
--- its window. A limit's keys carry one hash tag, so they share a Cluster
--- slot (the store sends only keys of one slot).
+-- admits it, and then each limit spends the request's cost; otherwise no
+-- limit spends anything, and each limit that refuses tallies a refusal in a
+-- key that expires with its window (and bans the key, if it bans). A
+-- limit's keys carry one hash tag, so they share a Cluster slot (the store
+-- sends only keys of one slot).
 --
--- For check i (from 1):
---   KEYS[3i-2]  count key   KEYS[3i-1]  refused key   KEYS[3i]  previous count key
---   ARGV[4i-3]  max         ARGV[4i-2]  window in milliseconds
---   ARGV[4i-1]  cutoff: milliseconds from now at which a fixed window begun
---               under a longer window (a reload shortened it) ends at the
---               latest; at or below 0 it has ended
---   ARGV[4i]    1 for the sliding-window counter, 0 for a fixed window
--- Returns, for check i, {allowed (1|0), count, milliseconds to the end of
--- the window, refused, previous window's count} at 5i-4 to 5i.
+-- For check i, its keys from the cursor k (k = 1 for the first check):
+--   KEYS[k]    count key (for GCRA: the theoretical arrival time, in
+--              microseconds of Redis time)
+--   KEYS[k+1]  refused key   KEYS[k+2]  previous count key
+--   KEYS[k+3]  ban key       KEYS[k+4]  strikes key      (only when it bans)
+-- and its arguments, ARGV[7i-6] to ARGV[7i]:
+--   max; window in milliseconds;
+--   cutoff: milliseconds from now at which a fixed window begun under a
+--     longer window (a reload shortened it) ends at the latest; at or below
+--     0 it has ended;
+--   mode: 0 fixed window, 1 sliding-window counter, 2 GCRA;
+--   cost: the units the request spends;
+--   burst: for GCRA, the bucket's size;
+--   ban: "" when the limit does not ban, else "<ban ms>:<longest ban ms>"
+--     (the longest above the ban: each violation within a day of the
+--     previous one doubles the ban).
+-- Returns, for check i, 7 values from 7i-6: allowed (1|0), count (for GCRA
+-- the units in the bucket), milliseconds to the end of the window (for GCRA
+-- until the bucket is full), refused, previous window's count, milliseconds
+-- to wait when refused (-1: the caller works it out from the rest), and 1
+-- when the key is banned.
 --
 -- A fixed window is its count key, expiring when the window ends. A sliding
 -- window's count key expires a window after its window ends, so that it can
@@ -21,45 +34,88 @@
 -- counts the window in progress (and the previous count key, expiring with
 -- that window, holds the one before); once under, its window has ended and
 -- the window in progress began at that end.
-local n = #KEYS / 3
-local counts, prevs, lefts, states = {}, {}, {}, {}
+local now_us
+local function clock()
+	if not now_us then
+		local t = redis.call('TIME')
+		now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+	end
+	return now_us
+end
+
+local n = #ARGV / 7
+local checks = {}
 local admit = true
+local k = 1
 for i = 1, n do
-	local c, r, p = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-	local max, window = tonumber(ARGV[4 * i - 3]), tonumber(ARGV[4 * i - 2])
-	local cutoff, sliding = tonumber(ARGV[4 * i - 1]), ARGV[4 * i] == '1'
-	local ttl = redis.call('PTTL', c)
+	local a = 7 * i - 7
+	local ch = {
+		c = KEYS[k], r = KEYS[k + 1], p = KEYS[k + 2],
+		max = tonumber(ARGV[a + 1]), window = tonumber(ARGV[a + 2]),
+		cutoff = tonumber(ARGV[a + 3]), mode = ARGV[a + 4],
+		cost = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
+		prev = 0, count = 0, retry = -1, banned = 0,
+	}
+	k = k + 3
+	if ARGV[a + 7] ~= '' then
+		local sep = string.find(ARGV[a + 7], ':', 1, true)
+		ch.ban = tonumber(string.sub(ARGV[a + 7], 1, sep - 1))
+		ch.banmax = tonumber(string.sub(ARGV[a + 7], sep + 1))
+		ch.b, ch.s = KEYS[k], KEYS[k + 1]
+		k = k + 2
+	end
+	local c = ch.c
 	local ok
-	if sliding then
-		prevs[i] = 0
-		counts[i] = 0
-		if ttl > window then
-			states[i] = 'current'
+	if ch.mode == '2' then
+		local now = clock()
+		ch.interval = ch.window * 1000 / ch.max
+		ch.tat = math.max(tonumber(redis.call('GET', c) or '0'), now)
+		local after = ch.tat + ch.cost * ch.interval
+		ok = after - now <= ch.burst * ch.interval + 0.5
+		ch.state = 'gcra'
+		if not ok then
+			ch.retry = math.max(math.ceil((after - now - ch.burst * ch.interval) / 1000), 1)
+		end
+	elseif ch.mode == '1' then
+		local ttl = redis.call('PTTL', c)
+		if ttl > 0 and tonumber(redis.call('GET', c) or '0') > 2e9 then
+			-- A GCRA arrival time, left by a config that changed the
+			-- algorithm: no count is that high (max and cost are at most
+			-- 1e9). The window starts afresh.
+			redis.call('DEL', c, ch.r, ch.p)
+			ttl = -2
+		end
+		if ttl > ch.window then
+			ch.state = 'current'
 			-- At most a window: a reload that shortened the window leaves
 			-- a longer time to live, which must not weigh the previous
 			-- count above one.
-			lefts[i] = math.min(ttl - window, window)
-			counts[i] = tonumber(redis.call('GET', c) or '0')
-			prevs[i] = tonumber(redis.call('GET', p) or '0')
+			ch.left = math.min(ttl - ch.window, ch.window)
+			ch.count = tonumber(redis.call('GET', c) or '0')
+			ch.prev = tonumber(redis.call('GET', ch.p) or '0')
 		elseif ttl > 0 then
-			states[i] = 'roll'
-			lefts[i] = ttl
-			prevs[i] = tonumber(redis.call('GET', c) or '0')
+			ch.state = 'roll'
+			ch.left = ttl
+			ch.prev = tonumber(redis.call('GET', c) or '0')
 		else
-			states[i] = 'new'
-			lefts[i] = window
+			ch.state = 'new'
+			ch.left = ch.window
 		end
-		ok = prevs[i] * lefts[i] / window + counts[i] + 1 <= max
+		ok = ch.prev * ch.left / ch.window + ch.count + ch.cost <= ch.max
 	else
-		prevs[i] = 0
-		if ttl > window then
-			if cutoff <= 0 then
-				redis.call('DEL', c, r)
+		local ttl = redis.call('PTTL', c)
+		if ttl > 0 and tonumber(redis.call('GET', c) or '0') > 2e9 then
+			redis.call('DEL', c, ch.r) -- a GCRA arrival time, as above
+			ttl = -2
+		end
+		if ttl > ch.window then
+			if ch.cutoff <= 0 then
+				redis.call('DEL', c, ch.r)
 				ttl = -2
-			elseif cutoff < ttl then
-				redis.call('PEXPIRE', c, cutoff)
-				redis.call('PEXPIRE', r, cutoff)
-				ttl = cutoff
+			elseif ch.cutoff < ttl then
+				redis.call('PEXPIRE', c, ch.cutoff)
+				redis.call('PEXPIRE', ch.r, ch.cutoff)
+				ttl = ch.cutoff
 			end
 		end
 		-- ttl is -2 for a new window and -1 for a count key without an
@@ -67,42 +123,63 @@ for i = 1, n do
 		-- starts now, so no key outlives its window, and a refused tally
 		-- left from an earlier window goes.
 		if ttl < 0 then
-			states[i] = 'new'
-			ttl = window
+			ch.state = 'new'
+			ttl = ch.window
 		else
-			states[i] = 'current'
+			ch.state = 'current'
 		end
-		lefts[i] = ttl
-		counts[i] = tonumber(redis.call('GET', c) or '0')
-		ok = counts[i] < max
+		ch.left = ttl
+		ch.count = tonumber(redis.call('GET', c) or '0')
+		ok = ch.count + ch.cost <= ch.max
 	end
+	if ch.b then
+		local bttl = redis.call('PTTL', ch.b)
+		if bttl > 0 then
+			ok = false
+			ch.banned = 1
+			ch.retry = bttl
+		end
+	end
+	ch.ok = ok
 	if not ok then
 		admit = false
 	end
-	states[i] = {states[i], ok, sliding}
+	checks[i] = ch
 end
 -- Past the cuts above, the first write is one that Redis refuses when out of
 -- memory, so that an OOM Redis fails the decision instead of half-making it.
 local out = {}
 for i = 1, n do
-	local c, r, p = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-	local window = tonumber(ARGV[4 * i - 2])
-	local state, ok, sliding = states[i][1], states[i][2], states[i][3]
-	local left = lefts[i]
+	local ch = checks[i]
+	local c, r, p = ch.c, ch.r, ch.p
+	local state, ok, left = ch.state, ch.ok, ch.left
 	local refused = 0
-	if sliding and state ~= 'current' and (admit or not ok) then
-		-- Start the window in progress: the previous count moves over.
+	if state == 'gcra' then
+		local now = clock()
+		if admit then
+			ch.tat = ch.tat + ch.cost * ch.interval
+			redis.call('SET', c, string.format('%.0f', ch.tat), 'PX', math.ceil((ch.tat - now) / 1000) + 1)
+			redis.call('DEL', r)
+		elseif not ok then
+			refused = redis.call('INCR', r)
+			redis.call('PEXPIRE', r, math.max(math.ceil((ch.tat - now) / 1000), ch.retry, 1))
+		end
+		left = math.ceil((ch.tat - now) / 1000)
+		ch.count = math.ceil((ch.tat - now) / ch.interval - 1e-6)
+	elseif ch.mode == '1' and state ~= 'current' and (admit or not ok) then
+		-- Sliding: start the window in progress; the previous count moves
+		-- over.
 		local start = 0
 		if admit then
-			start = 1
+			start = ch.cost
 		end
-		redis.call('SET', c, start, 'PX', left + window)
+		redis.call('SET', c, start, 'PX', left + ch.window)
 		if state == 'roll' then
-			redis.call('SET', p, prevs[i], 'PX', left)
+			redis.call('SET', p, ch.prev, 'PX', left)
 		else
 			redis.call('DEL', p)
 		end
-		counts[i] = start
+		ch.count = start
 		if not ok then
 			redis.call('SET', r, 1, 'PX', left)
 			refused = 1
@@ -110,25 +187,48 @@ for i = 1, n do
 			redis.call('DEL', r)
 		end
 	elseif admit then
-		counts[i] = redis.call('INCR', c)
+		ch.count = redis.call('INCRBY', c, ch.cost)
 		if state == 'new' then
-			redis.call('PEXPIRE', c, window)
+			redis.call('PEXPIRE', c, ch.window)
 			redis.call('DEL', r)
 		end
 	elseif not ok then
 		if state == 'new' then
-			redis.call('PEXPIRE', c, window)
+			redis.call('PEXPIRE', c, ch.window)
 			redis.call('SET', r, 1, 'PX', left)
 			refused = 1
 		else
 			refused = redis.call('INCR', r)
-			redis.call('PEXPIRE', r, left)
+			redis.call('PEXPIRE', r, math.max(left, ch.retry))
 		end
 	end
-	out[5 * i - 4] = ok and 1 or 0
-	out[5 * i - 3] = counts[i]
-	out[5 * i - 2] = left
-	out[5 * i - 1] = refused
-	out[5 * i] = prevs[i]
+	if not ok and ch.b and ch.banned == 0 then
+		-- A violation: the key is banned from now.
+		local strikes = 1
+		if ch.banmax > ch.ban then
+			strikes = redis.call('INCR', ch.s)
+			redis.call('PEXPIRE', ch.s, 86400000)
+		end
+		local ban = ch.ban
+		while strikes > 1 and ban < ch.banmax do
+			ban = ban * 2
+			strikes = strikes - 1
+		end
+		if ch.banmax > ch.ban then
+			ban = math.min(ban, ch.banmax)
+		end
+		redis.call('SET', ch.b, 1, 'PX', ban)
+		redis.call('PEXPIRE', r, math.max(left, ban))
+		ch.banned = 1
+		ch.retry = ban
+	end
+	local o = 7 * i - 7
+	out[o + 1] = ok and 1 or 0
+	out[o + 2] = ch.count
+	out[o + 3] = left
+	out[o + 4] = refused
+	out[o + 5] = ch.prev
+	out[o + 6] = ch.retry
+	out[o + 7] = ch.banned
 end
 return out

@@ -1,0 +1,363 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
+)
+
+// The abuse controls: counting by response status (count_status), bans,
+// request cost, and delaying a request instead of refusing it.
+
+// AlgorithmGCRA is the generic cell rate algorithm: max per window as a
+// steady rate with bursts of burst.
+const AlgorithmGCRA = "gcra"
+
+// CountStatusAll in count_status counts every response, overriding the
+// handler's count_status in one limit.
+const CountStatusAll = "all"
+
+// DefaultBanMax is the longest escalated ban when "escalate" names none.
+const DefaultBanMax = 24 * time.Hour
+
+// Bounds of the delay options.
+const (
+	MaxDelay           = time.Minute
+	DefaultDelayPerKey = 4
+	DefaultDelayTotal  = 1000
+	MaxDelayWaiting    = 100_000
+)
+
+// statusRange is one count_status entry: the statuses from lo to hi.
+type statusRange struct{ lo, hi int }
+
+// parseStatusRanges parses count_status entries: a code ("401"), a class
+// ("4xx") or a range ("500-599"); "all" alone, or none, counts every
+// status (nil).
+func parseStatusRanges(what string, entries []string) ([]statusRange, error) {
+	var out []statusRange
+	for _, e := range entries {
+		if e == CountStatusAll {
+			if len(entries) > 1 {
+				return nil, fmt.Errorf("invalid %s %q: all counts every status and stands alone", what, strings.Join(entries, " "))
+			}
+			return nil, nil
+		}
+		r, ok := parseStatusRange(e)
+		if !ok {
+			return nil, fmt.Errorf("invalid %s %q: want a status from 100 to 599 (401), a class (4xx), a range (500-599) or all", what, e)
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// parseStatusRange parses one count_status entry.
+func parseStatusRange(e string) (statusRange, bool) {
+	code := func(s string) (int, bool) {
+		n, err := strconv.Atoi(s)
+		return n, err == nil && len(s) == 3 && n >= 100 && n <= 599
+	}
+	if len(e) == 3 && e[1:] == "xx" && e[0] >= '1' && e[0] <= '5' {
+		c := int(e[0]-'0') * 100
+		return statusRange{c, c + 99}, true
+	}
+	if lo, hi, ok := strings.Cut(e, "-"); ok {
+		l, ok1 := code(lo)
+		h, ok2 := code(hi)
+		return statusRange{l, h}, ok1 && ok2 && l <= h
+	}
+	c, ok := code(e)
+	return statusRange{c, c}, ok
+}
+
+// counts reports whether a response of status counts in a limit whose
+// count_status is ranges (nil: every status counts).
+func counts(ranges []statusRange, status int) bool {
+	if ranges == nil {
+		return true
+	}
+	for _, r := range ranges {
+		if status >= r.lo && status <= r.hi {
+			return true
+		}
+	}
+	return false
+}
+
+// checkCost checks a cost: a whole number from 1 to MaxRequests, or a
+// placeholder evaluated per request.
+func checkCost(what, v string) error {
+	if v == "" {
+		return nil
+	}
+	if strings.Contains(v, "{") {
+		return checkKey(what, v)
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 || n > MaxRequests {
+		return fmt.Errorf("invalid %s %q: must be a whole number from 1 to %d, or a placeholder", what, v, MaxRequests)
+	}
+	return nil
+}
+
+// checkBan checks a ban and its escalation cap.
+func checkBan(what string, ban, banMax time.Duration) error {
+	switch {
+	case ban == 0 && banMax != 0:
+		return fmt.Errorf("invalid %s_max %s: escalation needs a ban", what, banMax)
+	case ban == 0:
+		return nil
+	case ban < time.Second || ban > MaxWindow:
+		return fmt.Errorf("invalid %s %s: must be from 1s to %s", what, ban, MaxWindow)
+	case banMax != 0 && (banMax <= ban || banMax > MaxWindow):
+		return fmt.Errorf("invalid %s_max %s: the longest escalated ban must be above the ban (%s) and at most %s", what, banMax, ban, MaxWindow)
+	}
+	return nil
+}
+
+// abuseSettings are the abuse controls of one limit, as the handler or a
+// limit block gives them.
+type abuseSettings struct {
+	countStatus []string
+	cost        string
+	ban, banMax time.Duration
+	burst       int
+}
+
+// checkAbuse reports every invalid abuse control of one limit.
+func checkAbuse(what string, a abuseSettings, algorithm string) []error {
+	var errs []error
+	if _, err := parseStatusRanges(join(what, "count_status"), a.countStatus); err != nil {
+		errs = append(errs, err)
+	}
+	if err := checkCost(join(what, "cost"), a.cost); err != nil {
+		errs = append(errs, err)
+	}
+	if err := checkBan(join(what, "ban"), a.ban, a.banMax); err != nil {
+		errs = append(errs, err)
+	}
+	if a.burst != 0 {
+		if algorithm != AlgorithmGCRA {
+			errs = append(errs, fmt.Errorf("invalid %s %d: burst applies to algorithm gcra only", join(what, "burst"), a.burst))
+		} else if a.burst < 1 || a.burst > MaxRequests {
+			errs = append(errs, fmt.Errorf("invalid %s %d: must be from 1 to %d", join(what, "burst"), a.burst, MaxRequests))
+		}
+	}
+	return errs
+}
+
+// join names an option of a limit ("limit \"burst\" cost"), or of the
+// handler when what is empty.
+func join(what, opt string) string {
+	if what == "" {
+		return opt
+	}
+	return what + " " + opt
+}
+
+// costOf sets up how a limit's cost is found: a constant, or a placeholder.
+func (p *policy) setCost(cost string) {
+	p.check.Cost = 1
+	if cost == "" {
+		return
+	}
+	if n, err := strconv.Atoi(cost); err == nil {
+		p.check.Cost = n
+		return
+	}
+	p.costKey = cost
+}
+
+// requestCost returns the cost of the request in this limit. A placeholder
+// that does not resolve to a whole number from 1 to MaxRequests costs 1,
+// and the first such value is logged.
+func (rl *RateLimit) requestCost(p *policy, repl *caddy.Replacer) int {
+	v := repl.ReplaceAll(p.costKey, "")
+	n, err := strconv.Atoi(v)
+	if err == nil && n >= 1 && n <= MaxRequests {
+		return n
+	}
+	if rl.costWarned.CompareAndSwap(false, true) {
+		rl.logger.Warn("request cost is not a whole number from 1 to 1000000000; it costs 1 (logged once per config)",
+			zap.String("zone", rl.Zone), zap.String("limit", p.name), zap.String("cost", p.costKey), zap.String("value", printableValue(v)))
+	}
+	return 1
+}
+
+// printableValue returns v for a log line: as it is when printable and
+// short, else quoted and cut.
+func printableValue(v string) string {
+	if len(v) > 64 {
+		v = v[:64]
+	}
+	if printable(v) {
+		return v
+	}
+	return strconv.QuoteToASCII(v)
+}
+
+// statusRecorder passes a response through and records its status, for
+// count_status.
+type statusRecorder struct {
+	*caddyhttp.ResponseWriterWrapper
+	status int
+}
+
+// WriteHeader records the first final status.
+func (w *statusRecorder) WriteHeader(code int) {
+	if w.status == 0 && code >= 200 {
+		w.status = code
+	}
+	w.ResponseWriterWrapper.WriteHeader(code)
+}
+
+// Write records 200 when the body is written before any status.
+func (w *statusRecorder) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriterWrapper.Write(b)
+}
+
+// serveCounted serves the admitted request and gives back its units in each
+// limit whose count_status the response's status is not in.
+func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int, decided time.Time) error {
+	rec := &statusRecorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	err := next.ServeHTTP(rec, r)
+	status := rec.status
+	if err != nil {
+		// The error handler writes the response later: its status is the
+		// error's.
+		status = http.StatusInternalServerError
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) && he.StatusCode != 0 {
+			status = he.StatusCode
+		}
+	} else if status == 0 {
+		status = http.StatusOK // nothing written: net/http sends 200
+	}
+	var refund [limiter.MaxChecks]limiter.Check
+	var verdicts [limiter.MaxChecks]limiter.Verdict
+	k := 0
+	for i := range n {
+		if !counts(rl.policies[d.of[i]].countStatus, status) {
+			refund[k], verdicts[k] = d.checks[i], d.out[i]
+			k++
+		}
+	}
+	if k > 0 {
+		if rerr := rl.zone.store.Refund(r.Context(), refund[:k], decided, verdicts[:k]); rerr != nil {
+			rl.logger.Warn("giving back a request that does not count", zap.String("zone", rl.Zone), zap.Error(rerr))
+		}
+	}
+	return err
+}
+
+// waitRoom bounds the requests a handler keeps waiting (delay): at most
+// perKey per key and total in all.
+type waitRoom struct {
+	mu     sync.Mutex
+	byKey  map[string]int
+	total  int
+	perKey int
+	cap    int
+}
+
+// enter takes a place for key and reports whether there was one.
+func (wr *waitRoom) enter(key string) bool {
+	wr.mu.Lock()
+	defer wr.mu.Unlock()
+	if wr.total >= wr.cap || wr.byKey[key] >= wr.perKey {
+		return false
+	}
+	wr.total++
+	wr.byKey[key]++
+	return true
+}
+
+// leave gives back key's place.
+func (wr *waitRoom) leave(key string) {
+	wr.mu.Lock()
+	defer wr.mu.Unlock()
+	wr.total--
+	if wr.byKey[key]--; wr.byKey[key] <= 0 {
+		delete(wr.byKey, key)
+	}
+}
+
+// waiting returns how many requests wait.
+func (wr *waitRoom) waiting() int {
+	wr.mu.Lock()
+	defer wr.mu.Unlock()
+	return wr.total
+}
+
+// delayed makes a refused request wait, when every refusing limit admits
+// again within the delay and the wait room has a place for its key, then
+// decides it again. It reports whether the request is now admitted; out
+// holds the new verdicts. A client that goes away while waiting spends
+// nothing (errClientGone).
+func (rl *RateLimit) delayed(r *http.Request, d *decision, n int) (bool, error) {
+	var wait time.Duration
+	for i := range n {
+		if !d.out[i].Allowed {
+			wait = max(wait, d.out[i].RetryAfter)
+		}
+	}
+	if wait > time.Duration(rl.Delay) {
+		return false, nil
+	}
+	key := d.checks[constraining(d.out[:n])].Key
+	if !rl.waitRoom.enter(key) {
+		return false, nil
+	}
+	defer rl.waitRoom.leave(key)
+	t := time.NewTimer(wait)
+	select {
+	case <-r.Context().Done():
+		t.Stop()
+		return false, errClientGone
+	case <-t.C:
+	}
+	if err := rl.zone.store.Decide(r.Context(), d.checks[:n], time.Now(), d.out[:n]); err != nil {
+		return false, err
+	}
+	for i := range n {
+		if !d.out[i].Allowed {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// errClientGone is a delayed request whose client went away.
+var errClientGone = errors.New("the client went away while its request was delayed")
+
+// shared describes the abuse controls that handlers naming one zone must
+// share (those the store keeps: bans and the bucket's size), "" when none
+// is set.
+func (a abuseSettings) shared() string {
+	out := ""
+	if a.ban != 0 {
+		out += fmt.Sprintf(" ban=%s", a.ban)
+		if a.banMax != 0 {
+			out += fmt.Sprintf(" ban_max=%s", a.banMax)
+		}
+	}
+	if a.burst != 0 {
+		out += fmt.Sprintf(" burst=%d", a.burst)
+	}
+	return out
+}
