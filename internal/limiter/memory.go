@@ -218,6 +218,7 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 
 	allowed := true
 	var bannedUntil [MaxChecks]int64
+	var countOK [MaxChecks]bool
 	for i := range checks {
 		c := &checks[i]
 		e := &es[i]
@@ -237,7 +238,8 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 				bannedUntil[i] = b.until
 			}
 		}
-		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: bannedUntil[i] == 0 && e.admits(t, c)}
+		countOK[i] = e.admits(t, c)
+		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: bannedUntil[i] == 0 && countOK[i]}
 		allowed = allowed && out[i].Allowed
 	}
 	for i := range checks {
@@ -251,14 +253,17 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 				e.refused++
 			}
 			out[i].FirstRefusal = e.refused == 1
-			out[i].RetryAfter = e.wait(t, c)
+			if !countOK[i] {
+				out[i].RetryAfter = e.wait(t, c)
+			}
 			if c.Limit.Ban > 0 {
 				if bannedUntil[i] == 0 {
 					bannedUntil[i] = s.ban(idx[i], c, t)
 				}
 				if bannedUntil[i] > t {
-					out[i].Reset = time.Unix(0, bannedUntil[i])
-					out[i].RetryAfter = time.Duration(bannedUntil[i] - t)
+					// Refused until the ban ends, and the window admits.
+					out[i].RetryAfter = max(out[i].RetryAfter, time.Duration(bannedUntil[i]-t))
+					out[i].Reset = time.Unix(0, t+int64(out[i].RetryAfter))
 				}
 			}
 		}

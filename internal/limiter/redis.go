@@ -485,7 +485,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		r := res[7*i : 7*i+7]
 		left := time.Duration(r[2]) * time.Millisecond
 		v := Verdict{
-			Allowed:   r[0] == 1,
+			Allowed:   r[0] == 1 && r[6] == 0,
 			Max:       c.Limit.Max,
 			Remaining: int(max(int64(c.Limit.Max)-r[1], 0)),
 			Reset:     now.Add(left),
@@ -497,7 +497,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		case c.Limit.Sliding:
 			v.Remaining = int(max(float64(c.Limit.Max)-math.Ceil(c.Limit.sliding(r[4], r[1], reset, t)), 0))
 		}
-		if !v.Allowed {
+		if r[0] == 0 {
 			v.RetryAfter = left
 			switch {
 			case r[5] >= 0:
@@ -505,9 +505,13 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 			case c.Limit.Sliding:
 				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t, c.cost()), time.Millisecond)
 			}
+		}
+		if !v.Allowed {
 			v.FirstRefusal = r[3] == 1
 		}
-		if r[6] == 1 {
+		if r[6] > 0 {
+			// Refused until the ban ends, and the window admits.
+			v.RetryAfter = max(v.RetryAfter, time.Duration(r[6])*time.Millisecond)
 			v.Remaining = 0
 			v.Reset = now.Add(v.RetryAfter)
 		}

@@ -22,11 +22,12 @@
 --   ban: "" when the limit does not ban, else "<ban ms>:<longest ban ms>"
 --     (the longest above the ban: each violation within a day of the
 --     previous one doubles the ban).
--- Returns, for check i, 7 values from 7i-6: allowed (1|0), count (for GCRA
--- the units in the bucket), milliseconds to the end of the window (for GCRA
--- until the bucket is full), refused, previous window's count, milliseconds
--- to wait when refused (-1: the caller works it out from the rest), and 1
--- when the key is banned.
+-- Returns, for check i, 7 values from 7i-6: whether the count admits the
+-- request (1|0; a ban refuses it all the same), count (for GCRA the units in
+-- the bucket), milliseconds to the end of the window (for GCRA until the
+-- bucket is full), refused, previous window's count, milliseconds to wait
+-- when the count refuses (-1: the caller works it out from the rest), and
+-- the milliseconds left of the key's ban (0: not banned).
 --
 -- A fixed window is its count key, expiring when the window ends. A sliding
 -- window's count key expires a window after its window ends, so that it can
@@ -132,12 +133,12 @@ for i = 1, n do
 		ch.count = tonumber(redis.call('GET', c) or '0')
 		ok = ch.count + ch.cost <= ch.max
 	end
+	ch.countok = ok
 	if ch.b then
 		local bttl = redis.call('PTTL', ch.b)
 		if bttl > 0 then
 			ok = false
-			ch.banned = 1
-			ch.retry = bttl
+			ch.banned = bttl
 		end
 	end
 	ch.ok = ok
@@ -162,7 +163,7 @@ for i = 1, n do
 			redis.call('DEL', r)
 		elseif not ok then
 			refused = redis.call('INCR', r)
-			redis.call('PEXPIRE', r, math.max(math.ceil((ch.tat - now) / 1000), ch.retry, 1))
+			redis.call('PEXPIRE', r, math.max(math.ceil((ch.tat - now) / 1000), ch.retry, ch.banned, 1))
 		end
 		left = math.ceil((ch.tat - now) / 1000)
 		ch.count = math.ceil((ch.tat - now) / ch.interval - 1e-6)
@@ -199,7 +200,7 @@ for i = 1, n do
 			refused = 1
 		else
 			refused = redis.call('INCR', r)
-			redis.call('PEXPIRE', r, math.max(left, ch.retry))
+			redis.call('PEXPIRE', r, math.max(left, ch.banned))
 		end
 	end
 	if not ok and ch.b and ch.banned == 0 then
@@ -219,11 +220,10 @@ for i = 1, n do
 		end
 		redis.call('SET', ch.b, 1, 'PX', ban)
 		redis.call('PEXPIRE', r, math.max(left, ban))
-		ch.banned = 1
-		ch.retry = ban
+		ch.banned = ban
 	end
 	local o = 7 * i - 7
-	out[o + 1] = ok and 1 or 0
+	out[o + 1] = ch.countok and 1 or 0
 	out[o + 2] = ch.count
 	out[o + 3] = left
 	out[o + 4] = refused

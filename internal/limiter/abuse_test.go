@@ -1,0 +1,192 @@
+package limiter
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// The abuse controls (cost, refunds, bans, GCRA) on every store: the same
+// test runs on the memory store, a real redis-server and a Redis Cluster.
+// GCRA in Redis reads Redis's clock, so these tests use the real time.
+
+// forEachStore runs fn on a memory store, a Redis store and, unless short, a
+// Redis Cluster store, each with the limits a zone would give it.
+func forEachStore(t *testing.T, limits []Check, fn func(t *testing.T, s Store)) {
+	t.Run("memory", func(t *testing.T) {
+		t.Parallel()
+		s := NewMemoryStore(1000)
+		for _, c := range limits {
+			s.SetSlotName(c.Slot, c.Name)
+		}
+		fn(t, s)
+	})
+	t.Run("redis", func(t *testing.T) {
+		t.Parallel()
+		srv := redistest.Start(t)
+		s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
+		s.SetLimits(limits)
+		fn(t, s)
+	})
+}
+
+func TestCost(t *testing.T) {
+	lim := Limit{Window: time.Minute, Max: 10}
+	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
+		now := time.Now()
+		c := Check{Key: "203.0.113.1", Limit: lim, Cost: 4}
+		for i, want := range []int{6, 2} {
+			out, ok := decide(t, s, now, c)
+			if !ok || out[0].Remaining != want {
+				t.Fatalf("request %d of cost 4 = %+v, want admitted with %d left", i+1, out[0], want)
+			}
+		}
+		// 4 more than the 2 left: refused, and it spends nothing.
+		out, ok := decide(t, s, now, c)
+		if ok || out[0].Remaining != 2 || out[0].RetryAfter <= 0 {
+			t.Fatalf("third request of cost 4 = %+v, want refused with 2 left", out[0])
+		}
+		c.Cost = 2
+		if out, ok := decide(t, s, now, c); !ok || out[0].Remaining != 0 {
+			t.Fatalf("a request of cost 2 with 2 left = %+v, want admitted with 0 left", out[0])
+		}
+		c.Cost = 1
+		if _, ok := decide(t, s, now, c); ok {
+			t.Fatal("a request of cost 1 with nothing left was admitted")
+		}
+	})
+}
+
+func TestRefund(t *testing.T) {
+	fixed := Limit{Window: time.Minute, Max: 2}
+	gcra := Limit{Window: time.Minute, Max: 2, GCRA: true}
+	limits := []Check{{Limit: fixed}, {Slot: 1, Name: "bucket", Limit: gcra}}
+	forEachStore(t, limits, func(t *testing.T, s Store) {
+		checks := []Check{
+			{Key: "203.0.113.2", Limit: fixed},
+			{Slot: 1, Name: "bucket", Key: "203.0.113.2", Limit: gcra},
+		}
+		// Each admitted request is given back: the quota never runs out.
+		for i := range 5 {
+			decided := time.Now()
+			out, ok := decide(t, s, decided, checks...)
+			if !ok || out[0].Remaining != 1 || out[1].Remaining != 1 {
+				t.Fatalf("request %d = %+v, want admitted with 1 left in each limit", i+1, out)
+			}
+			if err := s.Refund(context.Background(), checks, decided, out); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Without refunds, it does.
+		for range 2 {
+			decide(t, s, time.Now(), checks...)
+		}
+		if out, ok := decide(t, s, time.Now(), checks...); ok {
+			t.Fatalf("third request without refunds = %+v, want refused", out)
+		}
+	})
+}
+
+func TestBan(t *testing.T) {
+	lim := Limit{Window: time.Second, Max: 1, Ban: 3 * time.Second}
+	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
+		c := Check{Key: "203.0.113.3", Limit: lim}
+		start := time.Now()
+		if _, ok := decide(t, s, start, c); !ok {
+			t.Fatal("first request refused")
+		}
+		out, ok := decide(t, s, time.Now(), c)
+		if ok || out[0].RetryAfter < 2500*time.Millisecond || out[0].Remaining != 0 || out[0].Reset.Sub(start) < 2500*time.Millisecond {
+			t.Fatalf("second request = %+v, want refused for the 3s ban", out[0])
+		}
+		// The window ended long ago; the ban holds.
+		time.Sleep(1500 * time.Millisecond)
+		out, ok = decide(t, s, time.Now(), c)
+		if ok || out[0].RetryAfter < time.Second {
+			t.Fatalf("request after the window = %+v, want still banned", out[0])
+		}
+		var banned []KeyState
+		if err := s.Range(context.Background(), time.Now(), func(ks KeyState) bool {
+			banned = append(banned, ks)
+			return true
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if len(banned) != 1 || banned[0].Key != c.Key || banned[0].BannedUntil.Sub(start) < 2500*time.Millisecond {
+			t.Fatalf("listing = %+v, want the key, banned for 3s", banned)
+		}
+		// Forgetting the key lifts its ban.
+		if ok, err := s.ForgetCheck(context.Background(), c); err != nil || !ok {
+			t.Fatalf("ForgetCheck = %t, %v", ok, err)
+		}
+		if out, ok := decide(t, s, time.Now(), c); !ok {
+			t.Fatalf("request after the unblock = %+v, want admitted", out[0])
+		}
+	})
+}
+
+func TestBanEscalates(t *testing.T) {
+	lim := Limit{Window: time.Second, Max: 1, Ban: time.Second, BanMax: 3 * time.Second}
+	if got := []time.Duration{lim.banFor(1), lim.banFor(2), lim.banFor(3), lim.banFor(60)}; got[0] != time.Second || got[1] != 2*time.Second || got[2] != 3*time.Second || got[3] != 3*time.Second {
+		t.Fatalf("bans of strikes 1, 2, 3, 60 = %v, want 1s 2s 3s 3s", got)
+	}
+	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
+		c := Check{Key: "203.0.113.4", Limit: lim}
+		var bans []time.Duration
+		for range 3 {
+			// Wait out the ban and the window, spend the quota, go over.
+			for {
+				out, ok := decide(t, s, time.Now(), c)
+				if ok {
+					break
+				}
+				time.Sleep(out[0].RetryAfter + 20*time.Millisecond)
+			}
+			out, ok := decide(t, s, time.Now(), c)
+			if ok {
+				t.Fatal("second request in a window admitted")
+			}
+			bans = append(bans, out[0].RetryAfter)
+		}
+		// 1s, 2s, then 3s (the cap): each at least its ban, and the
+		// window (1s) at most.
+		for i, want := range []time.Duration{time.Second, 2 * time.Second, 3 * time.Second} {
+			if bans[i] < want-100*time.Millisecond || bans[i] > want+50*time.Millisecond {
+				t.Fatalf("bans = %v, want about 1s, 2s, 3s", bans)
+			}
+		}
+	})
+}
+
+func TestGCRA(t *testing.T) {
+	// 10 per second: one every 100ms, bursts of 3.
+	lim := Limit{Window: time.Second, Max: 10, GCRA: true, Burst: 3}
+	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
+		c := Check{Key: "203.0.113.5", Limit: lim}
+		for i, want := range []int{2, 1, 0} {
+			out, ok := decide(t, s, time.Now(), c)
+			if !ok || out[0].Remaining != want {
+				t.Fatalf("burst request %d = %+v, want admitted with %d left", i+1, out[0], want)
+			}
+		}
+		out, ok := decide(t, s, time.Now(), c)
+		if ok || out[0].RetryAfter <= 0 || out[0].RetryAfter > 100*time.Millisecond {
+			t.Fatalf("request past the burst = %+v, want refused for at most one interval", out[0])
+		}
+		// One interval later, one request, not two.
+		time.Sleep(out[0].RetryAfter + 10*time.Millisecond)
+		if out, ok := decide(t, s, time.Now(), c); !ok {
+			t.Fatalf("request an interval later = %+v, want admitted", out[0])
+		}
+		if out, ok := decide(t, s, time.Now(), c); ok {
+			t.Fatalf("second request an interval later = %+v, want refused", out[0])
+		}
+		// A cost above the burst never fits.
+		c.Cost = 4
+		if out, ok := decide(t, s, time.Now().Add(time.Second), c); ok {
+			t.Fatalf("request of cost 4 over a burst of 3 = %+v, want refused", out[0])
+		}
+	})
+}
