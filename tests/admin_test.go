@@ -60,6 +60,8 @@ type keyInfo struct {
 	Reset     int64  `json:"reset"`
 	Limited   bool   `json:"limited"`
 	Unblock   string `json:"unblock"`
+	// BannedUntil is when the key's ban ends (Unix seconds), 0 if none.
+	BannedUntil int64 `json:"banned_until"`
 }
 
 // keyList is the reply to GET /rate_limit/<zone>.
