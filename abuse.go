@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -13,8 +14,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-
-	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // The abuse controls: counting by response status (count_status), bans,
@@ -38,6 +37,29 @@ const (
 	DefaultDelayTotal  = 1000
 	MaxDelayWaiting    = 100_000
 )
+
+// CostValue is a request cost as JSON gives it: a number (10), or a string
+// holding a number ("10") or a placeholder ("{http.vars.cost}"). Its value
+// is checked with the other settings, so a bad one fails at load.
+type CostValue string
+
+// UnmarshalJSON takes a JSON number or string.
+func (c *CostValue) UnmarshalJSON(b []byte) error {
+	if len(b) > 0 && b[0] != '"' {
+		var n json.Number
+		if err := json.Unmarshal(b, &n); err != nil {
+			return fmt.Errorf("invalid cost %s: must be a number or a string", b)
+		}
+		*c = CostValue(n)
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return err
+	}
+	*c = CostValue(s)
+	return nil
+}
 
 // statusRange is one count_status entry: the statuses from lo to hi.
 type statusRange struct{ lo, hi int }
@@ -211,7 +233,7 @@ func printableValue(v string) string {
 // statusRecorder passes a response through and records its status, for
 // count_status.
 type statusRecorder struct {
-	*caddyhttp.ResponseWriterWrapper
+	caddyhttp.ResponseWriterWrapper
 	status int
 }
 
@@ -234,7 +256,7 @@ func (w *statusRecorder) Write(b []byte) (int, error) {
 // serveCounted serves the admitted request and gives back its units in each
 // limit whose count_status the response's status is not in.
 func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int, decided time.Time) error {
-	rec := &statusRecorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	rec := &statusRecorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	err := next.ServeHTTP(rec, r)
 	status := rec.status
 	if err != nil {
@@ -248,17 +270,15 @@ func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next c
 	} else if status == 0 {
 		status = http.StatusOK // nothing written: net/http sends 200
 	}
-	var refund [limiter.MaxChecks]limiter.Check
-	var verdicts [limiter.MaxChecks]limiter.Verdict
 	k := 0
 	for i := range n {
 		if !counts(rl.policies[d.of[i]].countStatus, status) {
-			refund[k], verdicts[k] = d.checks[i], d.out[i]
+			d.refund[k], d.refundOut[k] = d.checks[i], d.out[i]
 			k++
 		}
 	}
 	if k > 0 {
-		if rerr := rl.zone.store.Refund(r.Context(), refund[:k], decided, verdicts[:k]); rerr != nil {
+		if rerr := rl.zone.store.Refund(r.Context(), d.refund[:k], decided, d.refundOut[:k]); rerr != nil {
 			rl.logger.Warn("giving back a request that does not count", zap.String("zone", rl.Zone), zap.Error(rerr))
 		}
 	}
@@ -306,10 +326,10 @@ func (wr *waitRoom) waiting() int {
 
 // delayed makes a refused request wait, when every refusing limit admits
 // again within the delay and the wait room has a place for its key, then
-// decides it again. It reports whether the request is now admitted; out
-// holds the new verdicts. A client that goes away while waiting spends
-// nothing (errClientGone).
-func (rl *RateLimit) delayed(r *http.Request, d *decision, n int) (bool, error) {
+// decides it again at *now, which it moves to the new decision's time. It
+// reports whether the request is now admitted; out holds the new verdicts.
+// A client that goes away while waiting spends nothing (errClientGone).
+func (rl *RateLimit) delayed(r *http.Request, d *decision, n int, now *time.Time) (bool, error) {
 	var wait time.Duration
 	for i := range n {
 		if !d.out[i].Allowed {
@@ -331,7 +351,8 @@ func (rl *RateLimit) delayed(r *http.Request, d *decision, n int) (bool, error) 
 		return false, errClientGone
 	case <-t.C:
 	}
-	if err := rl.zone.store.Decide(r.Context(), d.checks[:n], time.Now(), d.out[:n]); err != nil {
+	*now = time.Now()
+	if err := rl.zone.store.Decide(r.Context(), d.checks[:n], *now, d.out[:n]); err != nil {
 		return false, err
 	}
 	for i := range n {

@@ -395,12 +395,14 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		if !ok || (q.policy != "" && l.name != q.policy) {
 			return true // a limit the config no longer has, or filtered out
 		}
-		// A window a reload shortened is listed as it now ends.
-		reset := l.limit.End(ks.Reset.UnixNano(), t)
-		if t >= reset && !ks.BannedUntil.After(now) {
-			return true
-		}
-		if ks.BannedUntil.IsZero() || reset < ks.Reset.UnixNano() {
+		// A window a reload shortened is listed as it now ends. A banned
+		// key is listed until its ban ends, and a GCRA bucket may be
+		// deeper than a window: neither is cut.
+		if !ks.BannedUntil.After(now) && !l.limit.GCRA {
+			reset := l.limit.End(ks.Reset.UnixNano(), t)
+			if t >= reset {
+				return true
+			}
 			ks.Reset = time.Unix(0, reset)
 		}
 		if !strings.HasPrefix(ks.Key, q.prefix) {

@@ -171,7 +171,7 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "ws_lease_ttl":
 			rl.WSLeaseTTL, err = parseDuration(d, opt, val)
 		case "cost":
-			rl.Cost = val
+			rl.Cost = CostValue(val)
 		case "burst":
 			rl.Burst, err = parseInt(d, opt, val, 1)
 		case "delay":
@@ -240,7 +240,7 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 		case "missing":
 			l.Missing = val
 		case "cost":
-			l.Cost = val
+			l.Cost = CostValue(val)
 		case "burst":
 			l.Burst, err = parseInt(d, "limit "+l.Name+" burst", val, 1)
 		default:

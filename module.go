@@ -203,7 +203,7 @@ type RateLimit struct {
 	// request (a value that is not such a number costs 1, and the first
 	// one is logged). A request that costs more than the quota left is
 	// refused and spends nothing. Default: 1.
-	Cost string `json:"cost,omitempty"`
+	Cost CostValue `json:"cost,omitempty"`
 
 	// Ban refuses a key that goes over a limit for this long from its
 	// first refusal, not only until its window resets; Retry-After and the
@@ -480,7 +480,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	delayed := false
 	if !allowed && rl.waitRoom != nil && !rl.DryRun {
 		var err error
-		if allowed, err = rl.delayed(r, d, n); err != nil {
+		if allowed, err = rl.delayed(r, d, n, &now); err != nil {
 			if errors.Is(err, errClientGone) || r.Context().Err() != nil {
 				return caddyhttp.Error(statusClientClosedRequest, err)
 			}
@@ -542,11 +542,16 @@ type decision struct {
 	checks [limiter.MaxChecks]limiter.Check
 	of     [limiter.MaxChecks]int // the policy of each check
 	out    [limiter.MaxChecks]limiter.Verdict
+	// refund and refundOut are the checks (and their verdicts) whose
+	// units a response outside count_status gives back.
+	refund    [limiter.MaxChecks]limiter.Check
+	refundOut [limiter.MaxChecks]limiter.Verdict
 }
 
 // release returns d to the pool, holding no request's keys.
 func (d *decision) release() {
 	clear(d.checks[:])
+	clear(d.refund[:])
 	decisions.Put(d)
 }
 

@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -61,6 +62,45 @@ func BenchmarkServeHTTP(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				_ = rl.ServeHTTP(w, r, next)
+			}
+		})
+	}
+}
+
+// BenchmarkServeHTTPAbuse is the admitted path with each abuse control on,
+// beside BenchmarkServeHTTP/allowed with none: count_status gives every
+// request's unit back (its status, 200, does not count).
+func BenchmarkServeHTTPAbuse(b *testing.B) {
+	for _, tc := range []struct {
+		name string
+		set  func(*RateLimit)
+	}{
+		{"count_status", func(rl *RateLimit) { rl.CountStatus = []string{"401"} }},
+		{"cost", func(rl *RateLimit) { rl.Cost = "2" }},
+		{"ban", func(rl *RateLimit) { rl.Ban = caddy.Duration(time.Minute) }},
+		{"gcra", func(rl *RateLimit) { rl.Algorithm = AlgorithmGCRA; rl.Window = caddy.Duration(time.Second) }},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			on := true
+			rl := &RateLimit{Zone: "bench_abuse_" + tc.name, Max: MaxRequests, Window: caddy.Duration(time.Minute), Enabled: &on}
+			tc.set(rl)
+			if err := rl.Provision(ctx); err != nil {
+				b.Fatal(err)
+			}
+			defer rl.Cleanup()
+			r := httptest.NewRequest(http.MethodGet, "/", nil)
+			c := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
+			c = context.WithValue(c, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"})
+			r = r.WithContext(c)
+			w := &headerWriter{h: http.Header{}}
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := rl.ServeHTTP(w, r, next); err != nil {
+					b.Fatal(err)
+				}
 			}
 		})
 	}

@@ -59,7 +59,7 @@ type LimitConfig struct {
 
 	// Cost, when set, replaces the handler's Cost in this limit.
 	// Default: the handler's.
-	Cost string `json:"cost,omitempty"`
+	Cost CostValue `json:"cost,omitempty"`
 
 	// Ban, when set, replaces the handler's Ban (and BanMax) in this
 	// limit. Default: the handler's.
@@ -81,7 +81,7 @@ func (l LimitConfig) abuse(rl *RateLimit) abuseSettings {
 		a.countStatus = l.CountStatus
 	}
 	if l.Cost != "" {
-		a.cost = l.Cost
+		a.cost = string(l.Cost)
 	}
 	if l.Ban != 0 || l.BanMax != 0 {
 		a.ban, a.banMax = time.Duration(l.Ban), time.Duration(l.BanMax)
@@ -343,7 +343,7 @@ func constraining(out []limiter.Verdict) int {
 // abuse returns the handler's abuse controls, which apply to every limit
 // that sets none of its own.
 func (rl *RateLimit) abuse() abuseSettings {
-	return abuseSettings{countStatus: rl.CountStatus, cost: rl.Cost, ban: time.Duration(rl.Ban), banMax: time.Duration(rl.BanMax), burst: rl.Burst}
+	return abuseSettings{countStatus: rl.CountStatus, cost: string(rl.Cost), ban: time.Duration(rl.Ban), banMax: time.Duration(rl.BanMax), burst: rl.Burst}
 }
 
 // bans reports whether any limit of the handler bans.

@@ -118,7 +118,8 @@
 		countdowns.length = 0;
 		for (const k of list.keys) {
 			const reset = el('td', 'num');
-			countdowns.push({cell: reset, reset: k.reset});
+			// A banned key is refused until its ban ends.
+			countdowns.push({cell: reset, reset: Math.max(k.reset, k.banned_until || 0)});
 			const unblock = el('button', 'unblock', 'Unblock');
 			unblock.type = 'button';
 			unblock.addEventListener('click', () => forget(list.zone, k.key, unblock));
@@ -130,7 +131,7 @@
 				el('td', 'num', k.refused),
 				el('td', 'num', k.remaining),
 				reset,
-				el('td', '', k.limited ? 'yes' : 'no'),
+				el('td', '', k.banned_until ? 'banned' : k.limited ? 'yes' : 'no'),
 				el('td', '', unblock));
 			row.dataset.key = k.key;
 			body.append(row);

@@ -313,8 +313,12 @@ func keysPerCheck(c *Check) int {
 func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
-	var keys [5 * MaxChecks]string
 	var at [MaxChecks + 1]int // check i's keys are keys[at[i]:at[i+1]]
+	for i := range checks {
+		at[i+1] = at[i] + keysPerCheck(&checks[i])
+	}
+	// Sized to the checks: the keys escape to the heap with the call.
+	keys := make([]string, at[len(checks)])
 	for i := range checks {
 		c := &checks[i]
 		base := s.base(c.Name, s.tag(c.Key))
@@ -323,11 +327,10 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 		if c.Limit.Ban > 0 {
 			k[3], k[4] = base+"b", base+"s"
 		}
-		at[i+1] = at[i] + keysPerCheck(c)
 	}
 	_, cluster := s.client.(*redis.ClusterClient)
 	if !cluster || len(checks) == 1 {
-		return s.runDecision(ctx, checks, keys[:at[len(checks)]], now, out)
+		return s.runDecision(ctx, checks, keys, now, out)
 	}
 	// Group the checks by slot, in the order their slots first appear.
 	var slotOf [MaxChecks]uint16
@@ -455,7 +458,8 @@ func (s *RedisStore) Refund(ctx context.Context, checks []Check, decided time.Ti
 // runDecision runs the decision script once for checks, whose keys (those
 // keysPerCheck counts for each, in order) share one slot.
 func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []string, now time.Time, out []Verdict) error {
-	var args [7 * MaxChecks]any
+	// Sized to the checks: the arguments escape to the heap with the call.
+	args := make([]any, 7*len(checks))
 	for i := range checks {
 		c := &checks[i]
 		mode, burst := 0, 0
@@ -472,7 +476,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 			a[6] = strconv.FormatInt(c.Limit.Ban.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Limit.BanMax.Milliseconds(), 10)
 		}
 	}
-	res, err := hitScript.Run(ctx, s.client, keys, args[:7*len(checks)]...).Int64Slice()
+	res, err := hitScript.Run(ctx, s.client, keys, args...).Int64Slice()
 	if err != nil {
 		return err
 	}
@@ -500,7 +504,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		if r[0] == 0 {
 			v.RetryAfter = left
 			switch {
-			case r[5] >= 0:
+			case r[5] > 0:
 				v.RetryAfter = max(time.Duration(r[5])*time.Millisecond, time.Millisecond)
 			case c.Limit.Sliding:
 				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t, c.cost()), time.Millisecond)

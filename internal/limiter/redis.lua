@@ -26,7 +26,7 @@
 -- request (1|0; a ban refuses it all the same), count (for GCRA the units in
 -- the bucket), milliseconds to the end of the window (for GCRA until the
 -- bucket is full), refused, previous window's count, milliseconds to wait
--- when the count refuses (-1: the caller works it out from the rest), and
+-- when the count refuses (0: the caller works it out from the rest), and
 -- the milliseconds left of the key's ban (0: not banned).
 --
 -- A fixed window is its count key, expiring when the window ends. A sliding
@@ -55,7 +55,7 @@ for i = 1, n do
 		max = tonumber(ARGV[a + 1]), window = tonumber(ARGV[a + 2]),
 		cutoff = tonumber(ARGV[a + 3]), mode = ARGV[a + 4],
 		cost = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
-		prev = 0, count = 0, retry = -1, banned = 0,
+		prev = 0, count = 0, retry = 0, banned = 0,
 	}
 	k = k + 3
 	if ARGV[a + 7] ~= '' then
