@@ -136,12 +136,16 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tPOLICY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
 	for _, k := range list.Keys {
-		limited := "no"
+		limited, reset := "no", k.Reset
 		if k.Limited {
 			limited = "yes"
 		}
+		if k.BannedUntil != 0 {
+			// Refused until the ban ends.
+			limited, reset = "banned", max(reset, k.BannedUntil)
+		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Policy, k.Count, k.Refused, k.Remaining,
-			max(time.Until(time.Unix(k.Reset, 0)).Truncate(time.Second), 0), limited)
+			max(time.Until(time.Unix(reset, 0)).Truncate(time.Second), 0), limited)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

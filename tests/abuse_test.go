@@ -309,6 +309,10 @@ func TestDelay(t *testing.T) {
 	if late.StatusCode != http.StatusOK || lateTook < 300*time.Millisecond {
 		t.Fatalf("delayed request: %d after %s, want a late 200", late.StatusCode, lateTook)
 	}
+	m := scrape(t, "e2e-delay")
+	if m[series("requests_total", "e2e-delay", "delayed")] != 1 || m[series("requests_total", "e2e-delay", "limited")] != 1 {
+		t.Errorf("metrics = %v, want 1 delayed and 1 limited", m)
+	}
 	// A client that gives up while waiting spends nothing: the next window
 	// is whole for the request after it.
 	time.Sleep(time.Second + 50*time.Millisecond) // the late request's window ends

@@ -84,6 +84,7 @@ func TestMetricsAcrossReload(t *testing.T) {
 		series("requests_total", "e2e-metrics", "invalid"):          0,
 		series("requests_total", "e2e-metrics", "degraded_allowed"): 0,
 		series("requests_total", "e2e-metrics", "degraded_denied"):  0,
+		series("requests_total", "e2e-metrics", "delayed"):          0,
 		refusalSeries("e2e-metrics", "e2e-metrics"):                 1,
 		series("tracked_keys", "e2e-metrics", ""):                   2,
 		series("evictions_total", "e2e-metrics", ""):                0,
