@@ -328,3 +328,44 @@ func TestDelay(t *testing.T) {
 		t.Fatalf("request after the impatient one gave up: %d after %s, want a 200 at once (the impatient one spent nothing)", resp.StatusCode, took)
 	}
 }
+
+// Each limit may count its own statuses, on a Redis zone too: failures
+// count in the login limit, every request in the daily one.
+func TestCountStatusPerLimitRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	zone := "e2e-login-limits"
+	s := startCaddy(t, trustLoopback, fmt.Sprintf(`
+:$PORT {
+	route /login {
+		rate_limit {
+			zone %s
+			window 60
+			max 2
+			count_status 401
+			limit daily 5 1d {
+				count_status all
+			}
+			store redis {
+				address %s
+			}
+		}
+		@right header X-Password secret
+		respond @right "welcome" 200
+		respond "wrong password" 401
+	}
+}`, zone, srv.Addr))
+	login := func(password string) int {
+		return request(t, s.Base, "/login", "X-Forwarded-For", "198.51.100.7", "X-Password", password).StatusCode
+	}
+	got := []int{login("secret"), login("secret"), login("wrong"), login("wrong"), login("secret")}
+	want := []int{200, 200, 401, 401, 429}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("statuses = %v, want %v (the login limit counts the 2 failures and refuses)", got, want)
+		}
+	}
+	wantListing(t, zone, map[string]string{
+		zone + "/198.51.100.7": "2 1", // the failures only
+		"daily/198.51.100.7":   "4 0", // every admitted request
+	})
+}
