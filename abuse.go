@@ -14,6 +14,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // The abuse controls: counting by response status (count_status), bans,
@@ -255,13 +257,13 @@ func (w *statusRecorder) Write(b []byte) (int, error) {
 
 // serveCounted serves the admitted request and gives back its units in each
 // limit whose count_status the response's status is not in.
-func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int, decided time.Time) error {
+func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int) error {
 	rec := &statusRecorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	err := next.ServeHTTP(rec, r)
 	status := rec.status
-	if err != nil {
-		// The error handler writes the response later: its status is the
-		// error's.
+	if err != nil && status == 0 {
+		// Nothing written yet: the error handler writes the response
+		// later, and its status is the error's.
 		status = http.StatusInternalServerError
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode != 0 {
@@ -278,7 +280,7 @@ func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next c
 		}
 	}
 	if k > 0 {
-		if rerr := rl.zone.store.Refund(r.Context(), d.refund[:k], decided, d.refundOut[:k]); rerr != nil {
+		if rerr := rl.zone.store.Refund(r.Context(), d.refund[:k], time.Now(), d.refundOut[:k]); rerr != nil {
 			rl.logger.Warn("giving back a request that does not count", zap.String("zone", rl.Zone), zap.Error(rerr))
 		}
 	}
@@ -344,7 +346,9 @@ func (rl *RateLimit) delayed(r *http.Request, d *decision, n int, now *time.Time
 		return false, nil
 	}
 	defer rl.waitRoom.leave(key)
-	t := time.NewTimer(wait)
+	// A little past the wait: Redis gives it in whole milliseconds,
+	// rounded down, and waking a moment early refuses the request anew.
+	t := time.NewTimer(wait + 2*time.Millisecond)
 	select {
 	case <-r.Context().Done():
 		t.Stop()
@@ -381,4 +385,67 @@ func (a abuseSettings) shared() string {
 		out += fmt.Sprintf(" burst=%d", a.burst)
 	}
 	return out
+}
+
+// inFlight counts, per limit and key, the requests being served under a
+// limit that both counts by status and bans: a refusal while other
+// requests of the key are in flight may come from units they hold and will
+// give back, so it starts no ban (limiter.Check.NoBan).
+type inFlight struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+// enter records one more request of key in limit name and returns how many
+// are in flight, this one included.
+func (f *inFlight) enter(name, key string) int {
+	k := name + "\x00" + key
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n[k]++
+	return f.n[k]
+}
+
+// leave records the end of a request of key in limit name.
+func (f *inFlight) leave(name, key string) {
+	k := name + "\x00" + key
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.n[k]--; f.n[k] <= 0 {
+		delete(f.n, k)
+	}
+}
+
+// holdsBan reports whether p both counts by status and bans.
+func (p *policy) holdsBan() bool {
+	return p.countStatus != nil && p.check.Limit.Ban > 0
+}
+
+// enterInFlight records the request in every limit that counts by status
+// and bans, marking NoBan on the checks of a key with other requests in
+// flight, and returns the func that records its end.
+func (rl *RateLimit) enterInFlight(d *decision, n int) func() {
+	var entered [limiter.MaxChecks]bool
+	for i := range n {
+		p := &rl.policies[d.of[i]]
+		if p.holdsBan() {
+			entered[i] = true
+			if rl.inFlight.enter(p.name, d.checks[i].Key) > 1 {
+				d.checks[i].NoBan = true
+			}
+		}
+	}
+	var names, keys [limiter.MaxChecks]string
+	for i := range n {
+		if entered[i] {
+			names[i], keys[i] = rl.policies[d.of[i]].name, d.checks[i].Key
+		}
+	}
+	return func() {
+		for i := range n {
+			if entered[i] {
+				rl.inFlight.leave(names[i], keys[i])
+			}
+		}
+	}
 }

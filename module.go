@@ -243,6 +243,7 @@ type RateLimit struct {
 	costs      bool
 	costWarned *atomic.Bool // set once a bad cost value has been logged
 	waitRoom   *waitRoom    // nil without delay
+	inFlight   *inFlight    // nil unless a limit counts by status and bans
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
@@ -339,6 +340,12 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	for i := range rl.policies {
 		rl.countStatus = rl.countStatus || rl.policies[i].countStatus != nil
 		rl.costs = rl.costs || rl.policies[i].costKey != ""
+	}
+	rl.inFlight = nil
+	for i := range rl.policies {
+		if rl.policies[i].holdsBan() {
+			rl.inFlight = &inFlight{n: map[string]int{}}
+		}
 	}
 	rl.waitRoom = nil
 	if rl.Delay > 0 {
@@ -460,6 +467,9 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		return next.ServeHTTP(w, r) // nothing to count it by
 	}
 
+	if rl.inFlight != nil {
+		defer rl.enterInFlight(d, n)()
+	}
 	now := time.Now()
 	if err := rl.zone.store.Decide(r.Context(), checks[:n], now, out[:n]); err != nil {
 		err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
@@ -516,7 +526,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
 	}
 	if allowed && rl.countStatus {
-		return rl.serveCounted(w, r, next, d, n, now)
+		return rl.serveCounted(w, r, next, d, n)
 	}
 	if allowed || rl.DryRun {
 		return next.ServeHTTP(w, r)

@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -208,6 +209,16 @@ func (rl *RateLimit) checkLimits() []error {
 		errs = append(errs, checkAbuse(what, LimitConfig{CountStatus: l.CountStatus, Cost: l.Cost, Ban: l.Ban, BanMax: l.BanMax, Burst: l.Burst}.abuse(&RateLimit{}), rl.Algorithm)...)
 	}
 	errs = append(errs, checkAbuse("", rl.abuse(), rl.Algorithm)...)
+	if rl.Algorithm == AlgorithmGCRA {
+		if err := checkBucket("", rl.Max, time.Duration(rl.Window), rl.Burst); err != nil {
+			errs = append(errs, err)
+		}
+		for _, l := range rl.Limits {
+			if err := checkBucket(fmt.Sprintf("limit %q ", l.Name), l.Max, time.Duration(l.Window), cmp.Or(l.Burst, rl.Burst)); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
 	if d := time.Duration(rl.Delay); d < 0 || d > MaxDelay {
 		errs = append(errs, fmt.Errorf("invalid delay %s: must be at most %s", d, MaxDelay))
 	}
@@ -365,4 +376,18 @@ func (p *policy) setAbuse(a abuseSettings) {
 	p.setCost(a.cost)
 	p.check.Limit.Ban, p.check.Limit.BanMax = a.ban, a.banMax
 	p.check.Limit.Burst = a.burst
+}
+
+// checkBucket checks that a GCRA bucket of burst requests (0: max), one
+// every window/max, empties within MaxWindow: a deeper one could not be
+// kept as a time.
+func checkBucket(what string, max int, window time.Duration, burst int) error {
+	if max < 1 || window <= 0 {
+		return nil // reported elsewhere, or the defaults
+	}
+	b := cmp.Or(burst, max)
+	if interval := window / time.Duration(max); interval > 0 && time.Duration(b) > MaxWindow/interval {
+		return fmt.Errorf("invalid %sburst %d: %d requests, one every %s, take longer than %s to drip back", what, b, b, interval, MaxWindow)
+	}
+	return nil
 }

@@ -190,3 +190,39 @@ func TestGCRA(t *testing.T) {
 		}
 	})
 }
+
+// A costly request that does not fit is no violation: it starts no ban, and
+// a cheaper request still passes. A NoBan refusal starts none either.
+func TestBanNotForCostOrNoBan(t *testing.T) {
+	lim := Limit{Window: time.Minute, Max: 10, Ban: time.Minute}
+	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
+		c := Check{Key: "203.0.113.6", Limit: lim, Cost: 8}
+		if _, ok := decide(t, s, time.Now(), c); !ok {
+			t.Fatal("first request of cost 8 refused")
+		}
+		if out, ok := decide(t, s, time.Now(), c); ok || out[0].RetryAfter > time.Minute {
+			t.Fatalf("second request of cost 8 = %+v, want refused, not banned", out[0])
+		}
+		c.Cost = 2
+		if out, ok := decide(t, s, time.Now(), c); !ok {
+			t.Fatalf("request of cost 2 with 2 left = %+v, want admitted (no ban)", out[0])
+		}
+		c.Cost, c.NoBan = 1, true
+		decide(t, s, time.Now(), c) // refused, in flight elsewhere: no ban
+		c.NoBan = false
+		var banned int
+		_ = s.Range(context.Background(), time.Now(), func(ks KeyState) bool {
+			if !ks.BannedUntil.IsZero() {
+				banned++
+			}
+			return true
+		})
+		if banned != 0 {
+			t.Fatalf("%d keys banned, want none", banned)
+		}
+		// Now a violation: a request of one unit refused by the count.
+		if out, ok := decide(t, s, time.Now(), c); ok || out[0].RetryAfter < 59*time.Second {
+			t.Fatalf("request of one unit with none left = %+v, want banned for a minute", out[0])
+		}
+	})
+}

@@ -130,6 +130,10 @@ type Check struct {
 	// A request that costs more than the quota left is refused and spends
 	// nothing.
 	Cost int
+	// NoBan keeps a refusal from starting a ban (Limit.Ban): other
+	// requests of the key hold units while they are served, and may give
+	// them back (count_status). A running ban still refuses.
+	NoBan bool
 }
 
 // cost returns what the check spends when admitted: Cost, at least 1.
@@ -215,12 +219,13 @@ type Store interface {
 	// A ban and the violations that escalate it go too.
 	ForgetCheck(ctx context.Context, c Check) (bool, error)
 
-	// Refund gives back what an admitted decision spent in each check
-	// (its Cost), for a request that turned out not to count (a response
-	// status outside count_status). verdicts are Decide's, made at
-	// decided. A window that ended since is left alone: the units went
-	// with it.
-	Refund(ctx context.Context, checks []Check, decided time.Time, verdicts []Verdict) error
+	// Refund gives back, at now, what an admitted decision spent in each
+	// check (its Cost), for a request that turned out not to count (a
+	// response status outside count_status). verdicts are Decide's. A
+	// window that ended since is left alone: the units went with it (in a
+	// sliding window they go on weighing as the previous count); a GCRA
+	// bucket gets back only what has not dripped back since.
+	Refund(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error
 }
 
 // sliding returns the requests the sliding-window counter holds against a

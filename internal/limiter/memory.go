@@ -257,7 +257,9 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 				out[i].RetryAfter = e.wait(t, c)
 			}
 			if c.Limit.Ban > 0 {
-				if bannedUntil[i] == 0 {
+				// A violation: the count refuses a request of one unit
+				// (a costly request that does not fit is no violation).
+				if bannedUntil[i] == 0 && !c.NoBan && !countOK[i] && !e.admits(t, &Check{Limit: c.Limit}) {
 					bannedUntil[i] = s.ban(idx[i], c, t)
 				}
 				if bannedUntil[i] > t {
@@ -266,6 +268,9 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 					out[i].Reset = time.Unix(0, t+int64(out[i].RetryAfter))
 				}
 			}
+		}
+		if allowed && c.Limit.GCRA {
+			out[i].Reset = time.Unix(0, e.reset) // the bucket after this request
 		}
 		out[i].Remaining = e.remaining(t, c)
 		if bannedUntil[i] > t {
@@ -337,7 +342,8 @@ func (e *memEntry) admits(t int64, c *Check) bool {
 	l := &c.Limit
 	switch {
 	case l.GCRA:
-		return max(e.reset, t)+c.cost()*l.interval()-t <= l.burst()*l.interval()
+		// A cost over the burst never fits (and would overflow below).
+		return c.cost() <= l.burst() && max(e.reset, t)+c.cost()*l.interval()-t <= l.burst()*l.interval()
 	case l.Sliding:
 		return l.sliding(int64(e.prev), int64(e.count), e.reset, t)+float64(c.cost()) <= float64(l.Max)
 	}
@@ -380,6 +386,9 @@ func (e *memEntry) wait(t int64, c *Check) time.Duration {
 	l := &c.Limit
 	switch {
 	case l.GCRA:
+		if c.cost() > l.burst() {
+			return l.Window // it never fits
+		}
 		return time.Duration(max(max(e.reset, t)+c.cost()*l.interval()-t-l.burst()*l.interval(), 1))
 	case l.Sliding:
 		return max(l.slidingWait(int64(e.prev), int64(e.count), e.reset, t, c.cost()), 1)
@@ -400,7 +409,7 @@ func (s *MemoryStore) ban(idx uint64, c *Check, t int64) int64 {
 	}
 	b, ok := m[c.Key]
 	if !ok {
-		if s.banned.Load() >= s.maxTracked.Load() && sh.purgeBans(s, t) == 0 {
+		if s.banned.Load() >= s.maxTracked.Load() && sh.purgeBans(s, t, false) == 0 && s.reclaimBans(idx, t) == 0 {
 			return 0
 		}
 		s.banned.Add(1)
@@ -413,7 +422,9 @@ func (s *MemoryStore) ban(idx uint64, c *Check, t int64) int64 {
 	b.until = t + int64(c.Limit.banFor(int64(b.strikes)))
 	b.keep = b.until
 	if c.Limit.BanMax > c.Limit.Ban {
-		b.keep = max(b.until, t+int64(BanStrikeMemory))
+		// Violations are remembered for a day after the ban ends: the
+		// next one cannot come before.
+		b.keep = b.until + int64(BanStrikeMemory)
 	}
 	if ok {
 		m[c.Key] = b
@@ -423,13 +434,31 @@ func (s *MemoryStore) ban(idx uint64, c *Check, t int64) int64 {
 	return b.until
 }
 
-// purgeBans deletes the shard's bans that have expired at t and returns how
-// many. The caller holds sh.mu.
-func (sh *memShard) purgeBans(s *MemoryStore, t int64) int {
+// reclaimBans makes room for a ban in a full store: it drops, in every
+// shard but idx (whose lock the caller holds) that it can lock without
+// waiting, the bans that have ended but are kept for their violations.
+// Live bans are never dropped.
+func (s *MemoryStore) reclaimBans(idx uint64, t int64) int {
+	n := 0
+	for j := range s.shards {
+		o := &s.shards[j]
+		if uint64(j) == idx || !o.mu.TryLock() {
+			continue
+		}
+		n += o.purgeBans(s, t, true)
+		o.mu.Unlock()
+	}
+	return n + s.shards[idx].purgeBans(s, t, true)
+}
+
+// purgeBans deletes the shard's bans that have expired at t (or, with
+// ended, whose ban has ended though their violations are still kept) and
+// returns how many. The caller holds sh.mu.
+func (sh *memShard) purgeBans(s *MemoryStore, t int64, ended bool) int {
 	n := 0
 	for _, m := range sh.bans {
 		for k, b := range m {
-			if t >= b.keep {
+			if t >= b.keep || (ended && t >= b.until) {
 				delete(m, k)
 				n++
 			}
@@ -440,7 +469,7 @@ func (sh *memShard) purgeBans(s *MemoryStore, t int64) int {
 }
 
 // Refund implements Store. It never returns an error.
-func (s *MemoryStore) Refund(_ context.Context, checks []Check, _ time.Time, verdicts []Verdict) error {
+func (s *MemoryStore) Refund(_ context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
 	for i := range checks {
 		c := &checks[i]
 		if i >= len(verdicts) || !verdicts[i].Allowed || c.Slot < 0 || c.Slot >= MaxChecks {
@@ -451,7 +480,9 @@ func (s *MemoryStore) Refund(_ context.Context, checks []Check, _ time.Time, ver
 		if e, ok := sh.entries[c.Slot][c.Key]; ok {
 			switch {
 			case c.Limit.GCRA:
-				e.reset -= c.cost() * c.Limit.interval()
+				// Only what has not dripped back yet: the request's
+				// units left in the bucket it left behind.
+				e.reset -= gcraBack(c, verdicts[i], now)
 			case e.reset == verdicts[i].Reset.UnixNano(): // the same window
 				e.count = int32(max(int64(e.count)-c.cost(), 0))
 			}
@@ -694,7 +725,7 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		n := sh.purge(t)
-		sh.purgeBans(s, t)
+		sh.purgeBans(s, t, false)
 		sh.compact()
 		sh.mu.Unlock()
 		s.tracked.Add(-int64(n))

@@ -270,12 +270,11 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	}
 	s.succeeded()
 	for i, c := range checks {
-		if !out[i].Allowed && (c.cost() == 1 || out[i].Remaining == 0) {
+		if !out[i].Allowed && c.cost() == 1 {
 			// Cached until a request fits again: the window's end, or
 			// for a sliding window when the previous count has faded
 			// enough (or the ban's end). A costly request's refusal is
-			// cached only when a request of one unit would be refused
-			// too.
+			// not: its wait is not a cheaper request's.
 			s.refused.put(cacheKey(c.Name, c.Key), t+int64(out[i].RetryAfter), c.Limit.Max, t)
 		}
 	}
@@ -359,7 +358,7 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 		}
 		gout := make([]Verdict, len(idx))
 		if err := s.runDecision(ctx, group, gkeys, now, gout); err != nil {
-			s.release(ctx, checks, reserved)
+			s.release(ctx, checks, reserved, nil, now)
 			return err
 		}
 		slotAdmits := true
@@ -379,7 +378,7 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 	if admitted {
 		return nil
 	}
-	s.release(ctx, checks, reserved)
+	s.release(ctx, checks, reserved, nil, now)
 	for i := range checks {
 		c := &checks[i]
 		if out[i].Allowed {
@@ -390,10 +389,13 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 }
 
 // release gives back what the checks of each group spent (each group's
-// keys share a slot). It runs even when the decision's own deadline has
-// passed (a slow slot is why a decision fails), with a deadline of its
-// own. A failure is logged: the counts then stand until their windows end.
-func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int) {
+// keys share a slot). verdicts, when given, are the checks' admitted
+// verdicts: a GCRA bucket then gets back only what has not dripped back
+// since (see gcraBack); without them, all of it (a reservation given back at
+// once). now is when, for gcraBack. It runs even when the decision's own deadline has passed (a slow
+// slot is why a decision fails), with a deadline of its own. A failure is
+// logged: the counts then stand until their windows end.
+func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int, verdicts []Verdict, now time.Time) {
 	if len(groups) == 0 {
 		return
 	}
@@ -405,7 +407,15 @@ func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int
 		for _, j := range idx {
 			c := &checks[j]
 			keys = append(keys, s.base(c.Name, s.tag(c.Key))+"c")
-			args = append(args, c.cost(), refundInterval(c))
+			if !c.Limit.GCRA {
+				args = append(args, c.cost(), 0)
+				continue
+			}
+			back := c.cost() * c.Limit.interval()
+			if verdicts != nil {
+				back = gcraBack(c, verdicts[j], now)
+			}
+			args = append(args, 0, max(back/int64(time.Microsecond), 1))
 		}
 		if err := releaseScript.Run(ctx, s.client, keys, args...).Err(); err != nil {
 			s.logger.Warn("giving back a request's counts", zap.Strings("keys", keys), zap.Error(err))
@@ -413,13 +423,11 @@ func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int
 	}
 }
 
-// refundInterval is the release script's second argument for c: for GCRA,
-// the microseconds one unit takes to drip back; else 0.
-func refundInterval(c *Check) int64 {
-	if !c.Limit.GCRA {
-		return 0
-	}
-	return max(c.Limit.interval()/int64(time.Microsecond), 1)
+// gcraBack returns what a GCRA request admitted with verdict v still holds
+// of its bucket at now: its cost in time, less what has dripped back since
+// (the bucket it left behind empties at v.Reset).
+func gcraBack(c *Check, v Verdict, now time.Time) int64 {
+	return min(c.cost()*c.Limit.interval(), max(int64(v.Reset.Sub(now)), 0))
 }
 
 // refundMargin is how long before its window ends a refund is still sent:
@@ -429,29 +437,31 @@ const refundMargin = 20 * time.Millisecond
 
 // Refund implements Store. Each check's units go back in one call per key
 // (the keys of one decision may be in several Cluster slots); a window that
-// ends within refundMargin is left alone. A refund also reaches the local
-// fallback store when the decision was made there.
-func (s *RedisStore) Refund(ctx context.Context, checks []Check, decided time.Time, verdicts []Verdict) error {
+// ends within refundMargin is left alone, and a GCRA bucket gets back only
+// what has not dripped back yet. A refund also reaches the local fallback
+// store when the decision was made there.
+func (s *RedisStore) Refund(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
 	var groups [][]int
-	now := time.Now()
 	for i := range checks {
-		c := &checks[i]
 		if i >= len(verdicts) || !verdicts[i].Allowed {
 			continue
 		}
 		if verdicts[i].StoreError {
-			_ = s.local.Refund(ctx, checks[i:i+1], decided, verdicts[i:i+1])
+			_ = s.local.Refund(ctx, checks[i:i+1], now, verdicts[i:i+1])
 			continue
 		}
-		if !c.Limit.GCRA && verdicts[i].Reset.Sub(now) < refundMargin {
-			continue
+		if verdicts[i].Reset.Sub(now) < refundMargin {
+			continue // the window has ended, or the units have dripped back
 		}
 		groups = append(groups, []int{i})
+	}
+	s.release(ctx, checks, groups, verdicts, now)
+	for _, g := range groups {
 		// A refusal cached while this request held its units may no
 		// longer hold.
+		c := &checks[g[0]]
 		s.refused.forget(cacheKey(c.Name, c.Key))
 	}
-	s.release(ctx, checks, groups)
 	return nil
 }
 
@@ -473,7 +483,11 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		a[0], a[1], a[2], a[3] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds(), mode
 		a[4], a[5], a[6] = c.cost(), burst, ""
 		if c.Limit.Ban > 0 {
-			a[6] = strconv.FormatInt(c.Limit.Ban.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Limit.BanMax.Milliseconds(), 10)
+			noBan := ":0"
+			if c.NoBan {
+				noBan = ":1"
+			}
+			a[6] = strconv.FormatInt(c.Limit.Ban.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Limit.BanMax.Milliseconds(), 10) + noBan
 		}
 	}
 	res, err := hitScript.Run(ctx, s.client, keys, args...).Int64Slice()
@@ -484,6 +498,10 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 7*len(checks))
 	}
 	t := now.UnixNano()
+	// A bucket's times count from when Redis ran the script, after now:
+	// from the reply, they are late rather than early, so that a refund
+	// (gcraBack) never leaves a sliver of the request behind.
+	replied := time.Now()
 	for i := range checks {
 		c := &checks[i]
 		r := res[7*i : 7*i+7]
@@ -498,6 +516,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		switch {
 		case c.Limit.GCRA:
 			v.Remaining = int(max(c.Limit.burst()-r[1], 0))
+			v.Reset = replied.Add(left)
 		case c.Limit.Sliding:
 			v.Remaining = int(max(float64(c.Limit.Max)-math.Ceil(c.Limit.sliding(r[4], r[1], reset, t)), 0))
 		}
@@ -1136,8 +1155,15 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 			case l.Sliding:
 				// A sliding count outlives its window by a window, as the
 				// next one's previous count (redis.lua): its window ends
-				// a window before the key does.
+				// a window before the key does. A ban outlives it too.
 				if ttl -= l.Window; ttl <= 0 {
+					if ban <= 0 {
+						continue
+					}
+					until := now.Add(ban)
+					if !fn(KeyState{Key: tag, Refused: refused, Reset: until, BannedUntil: until, Name: name}) {
+						return errStopRange
+					}
 					continue
 				}
 			}

@@ -19,9 +19,11 @@
 --   mode: 0 fixed window, 1 sliding-window counter, 2 GCRA;
 --   cost: the units the request spends;
 --   burst: for GCRA, the bucket's size;
---   ban: "" when the limit does not ban, else "<ban ms>:<longest ban ms>"
---     (the longest above the ban: each violation within a day of the
---     previous one doubles the ban).
+--   ban: "" when the limit does not ban, else "<ban ms>:<longest ban
+--     ms>:<no ban>" (the longest above the ban: each violation within a
+--     day of the previous ban's end doubles the ban; no ban 1: a refusal
+--     of this request starts none, since requests in flight hold units).
+--     A violation is a refusal by the count of a request of one unit.
 -- Returns, for check i, 7 values from 7i-6: whether the count admits the
 -- request (1|0; a ban refuses it all the same), count (for GCRA the units in
 -- the bucket), milliseconds to the end of the window (for GCRA until the
@@ -38,6 +40,12 @@
 local now_us
 local function clock()
 	if not now_us then
+		-- Redis 3.2 to 4 replicate scripts verbatim and refuse a write
+		-- after TIME unless told to replicate effects (the default since
+		-- 5, where this is a no-op).
+		if redis.replicate_commands then
+			redis.replicate_commands()
+		end
 		local t = redis.call('TIME')
 		now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 	end
@@ -59,9 +67,8 @@ for i = 1, n do
 	}
 	k = k + 3
 	if ARGV[a + 7] ~= '' then
-		local sep = string.find(ARGV[a + 7], ':', 1, true)
-		ch.ban = tonumber(string.sub(ARGV[a + 7], 1, sep - 1))
-		ch.banmax = tonumber(string.sub(ARGV[a + 7], sep + 1))
+		local ban, banmax, noban = string.match(ARGV[a + 7], '^(%d+):(%d+):([01])$')
+		ch.ban, ch.banmax, ch.noban = tonumber(ban), tonumber(banmax), noban == '1'
 		ch.b, ch.s = KEYS[k], KEYS[k + 1]
 		k = k + 2
 	end
@@ -72,7 +79,8 @@ for i = 1, n do
 		ch.interval = ch.window * 1000 / ch.max
 		ch.tat = math.max(tonumber(redis.call('GET', c) or '0'), now)
 		local after = ch.tat + ch.cost * ch.interval
-		ok = after - now <= ch.burst * ch.interval + 0.5
+		ok = ch.cost <= ch.burst and after - now <= ch.burst * ch.interval + 0.5
+		ch.full = ch.tat + ch.interval - now > ch.burst * ch.interval + 0.5
 		ch.state = 'gcra'
 		if not ok then
 			ch.retry = math.max(math.ceil((after - now - ch.burst * ch.interval) / 1000), 1)
@@ -103,6 +111,7 @@ for i = 1, n do
 			ch.left = ch.window
 		end
 		ok = ch.prev * ch.left / ch.window + ch.count + ch.cost <= ch.max
+		ch.full = ch.prev * ch.left / ch.window + ch.count + 1 > ch.max
 	else
 		local ttl = redis.call('PTTL', c)
 		if ttl > 0 and tonumber(redis.call('GET', c) or '0') > 2e9 then
@@ -132,6 +141,7 @@ for i = 1, n do
 		ch.left = ttl
 		ch.count = tonumber(redis.call('GET', c) or '0')
 		ok = ch.count + ch.cost <= ch.max
+		ch.full = ch.count + 1 > ch.max
 	end
 	ch.countok = ok
 	if ch.b then
@@ -203,20 +213,21 @@ for i = 1, n do
 			redis.call('PEXPIRE', r, math.max(left, ch.banned))
 		end
 	end
-	if not ok and ch.b and ch.banned == 0 then
+	if ch.b and ch.banned == 0 and ch.full and not ch.noban then
 		-- A violation: the key is banned from now.
 		local strikes = 1
+		local ban = ch.ban
 		if ch.banmax > ch.ban then
 			strikes = redis.call('INCR', ch.s)
-			redis.call('PEXPIRE', ch.s, 86400000)
 		end
-		local ban = ch.ban
 		while strikes > 1 and ban < ch.banmax do
 			ban = ban * 2
 			strikes = strikes - 1
 		end
 		if ch.banmax > ch.ban then
 			ban = math.min(ban, ch.banmax)
+			-- Violations are remembered for a day after the ban ends.
+			redis.call('PEXPIRE', ch.s, ban + 86400000)
 		end
 		redis.call('SET', ch.b, 1, 'PX', ban)
 		redis.call('PEXPIRE', r, math.max(left, ban))

@@ -1,0 +1,89 @@
+package limiter
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// Redis listing loses a banned sliding key once its window ended but its count key lives on.
+func TestEdgeRedisSlidingBanListing(t *testing.T) {
+	srv := redistest.StartReal(t, "real")
+	lim := Limit{Window: time.Second, Max: 1, Sliding: true, Ban: 5 * time.Second}
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
+	s.SetLimits([]Check{{Limit: lim}})
+	c := Check{Key: "203.0.113.9", Limit: lim}
+	decide(t, s, time.Now(), c)
+	if _, ok := decide(t, s, time.Now(), c); ok {
+		t.Fatal("second admitted")
+	}
+	time.Sleep(1300 * time.Millisecond)
+	var got []KeyState
+	s.Range(context.Background(), time.Now(), func(ks KeyState) bool { got = append(got, ks); return true })
+	t.Logf("listing: %+v", got)
+	if len(got) == 0 {
+		t.Errorf("a key banned for 5s is missing from the Redis listing 1.3s in (sliding window ended, count key still alive)")
+	}
+	// memory for comparison
+	m := NewMemoryStore(100)
+	now := time.Now()
+	decide(t, m, now, c)
+	decide(t, m, now, c)
+	got = nil
+	m.Range(context.Background(), now.Add(1300*time.Millisecond), func(ks KeyState) bool { got = append(got, ks); return true })
+	t.Logf("memory listing: %+v", got)
+}
+
+// GCRA refund over-credit on Redis too.
+func TestEdgeRedisGCRARefundOverCredit(t *testing.T) {
+	srv := redistest.StartReal(t, "real")
+	lim := Limit{Window: time.Second, Max: 1, GCRA: true, Burst: 1} // one per second
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
+	s.SetLimits([]Check{{Limit: lim}})
+	c := Check{Key: "203.0.113.10", Limit: lim}
+	t0 := time.Now()
+	outA, ok := decide(t, s, t0, c)
+	if !ok {
+		t.Fatal("A refused")
+	}
+	time.Sleep(1200 * time.Millisecond)
+	if _, ok := decide(t, s, time.Now(), c); !ok {
+		t.Fatal("D refused")
+	}
+	time.Sleep(200 * time.Millisecond)
+	s.Refund(context.Background(), []Check{c}, time.Now(), outA)
+	if _, ok := decide(t, s, time.Now(), c); ok {
+		t.Errorf("E admitted 0.2s after D with rate 1/s burst 1")
+	}
+}
+
+// a costly refusal cached with the costly wait refuses cheap requests that fit.
+func TestEdgeRedisCostlyRefusalCached(t *testing.T) {
+	srv := redistest.StartReal(t, "real")
+	lim := Limit{Window: 10 * time.Second, Max: 10, GCRA: true} // 1/s, burst 10
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
+	s.SetLimits([]Check{{Limit: lim}})
+	c := Check{Key: "203.0.113.11", Limit: lim, Cost: 10}
+	if _, ok := decide(t, s, time.Now(), c); !ok {
+		t.Fatal("first refused")
+	}
+	out, ok := decide(t, s, time.Now(), c) // empty bucket, cost 10: refused, wait ~10s, remaining 0
+	t.Logf("costly refusal: %v %+v", ok, out[0])
+	time.Sleep(1100 * time.Millisecond)
+	c.Cost = 1
+	out, ok = decide(t, s, time.Now(), c)
+	t.Logf("cost 1 after 1.1s: %v %+v", ok, out[0])
+	if !ok {
+		t.Errorf("a request of cost 1 refused from the cache 1.1s later, though one unit dripped back")
+	}
+	m := NewMemoryStore(100)
+	now := time.Now()
+	c.Cost = 10
+	decide(t, m, now, c)
+	decide(t, m, now, c)
+	c.Cost = 1
+	_, ok = decide(t, m, now.Add(1100*time.Millisecond), c)
+	t.Logf("memory: cost 1 after 1.1s admitted=%v", ok)
+}
