@@ -107,6 +107,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n burst 5\n}", `invalid burst 5: burst applies to algorithm gcra only`},
 		{"rate_limit {\n bursts 5\n}", `unrecognized rate_limit subdirective "bursts"`},
 		{"rate_limit {\n algorithm gcra\n burst 0\n}", `invalid burst "0": must be at least 1`},
+		{"rate_limit {\n algorithm gcra\n max 1\n window 300d\n burst 2\n}", `invalid burst 2: 2 requests, one every 7200h0m0s, take longer than 8784h0m0s to drip back`},
 		{"rate_limit {\n algorithm bucket\n}", `invalid algorithm "bucket": must be fixed, sliding or gcra`},
 		{"rate_limit {\n count_status\n}", "wrong argument count"},
 		{"rate_limit {\n count_status 6xx\n}", `invalid count_status "6xx": want a status from 100 to 599`},
