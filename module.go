@@ -541,6 +541,14 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil
 	}
+	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && srv != nil && (srv.Errors == nil || len(srv.Errors.Routes) == 0) {
+		// No handle_errors to render the refusal: it is written here, as
+		// Caddy would write it (the status, no body), without Caddy's
+		// error path (a request clone, a logger clone, error fields) for
+		// every refused request of a flood.
+		w.WriteHeader(rl.Status)
+		return nil
+	}
 	// The refusal is built once: caddyhttp.Error would draw a random ID and
 	// take a stack trace for every refused request of a flood. handle_errors
 	// renders it all the same ({http.error.id} is empty).

@@ -1,0 +1,405 @@
+// Command load compares Caddy with the rate_limit handler against bare
+// Caddy under wrk, on loopback: each scenario runs on both builds in
+// alternation (bare, module, bare, module, …) for several rounds, and the
+// medians of req/s, latency, Caddy's CPU time per request and peak RSS are
+// printed with their ratios.
+//
+//	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only name,…]
+//
+// It needs wrk and, for the Redis scenario, redis-server on the PATH. It
+// builds both Caddys into a temporary directory, starts each on a free
+// loopback port (checking that the answers come from the Caddy it started:
+// Caddy binds with SO_REUSEPORT, so a port another server holds would be
+// shared silently), and starts its own redis-server.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// scenario is one load shape: the rate_limit block of the module's config
+// ("" for none) and what wrk sends.
+type scenario struct {
+	name    string
+	limit   string // the rate_limit block, with $REDIS for the redis-server's address
+	clients int    // distinct X-Client values (bench/clients.lua); 0: one client, no header
+	redis   bool
+}
+
+var scenarios = []scenario{
+	{name: "admitted, one client", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t}"},
+	{name: "admitted, one client, headers none", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\theaders none\n\t}"},
+	{name: "refused, one client flooding", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1\n\t}"},
+	{name: "admitted, 100000 clients", clients: 100_000,
+		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"},
+	{name: "admitted, 100000 clients, Redis", clients: 100_000, redis: true,
+		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t}\n\t}"},
+}
+
+// result is one run's figures.
+type result struct {
+	rps, p50, p99 float64 // req/s; latencies in ms
+	cpuPerReq     float64 // Caddy's CPU time per request, µs
+	rssMB         float64 // Caddy's peak RSS (VmHWM), MB
+	non2xx        int
+}
+
+func main() {
+	rounds := flag.Int("rounds", 3, "alternating rounds per scenario")
+	duration := flag.Duration("duration", 8*time.Second, "wrk run per round")
+	conns := flag.Int("connections", 32, "wrk connections (one thread)")
+	only := flag.String("only", "", "comma-separated scenario name prefixes to run (default all)")
+	flag.Parse()
+	log.SetFlags(0)
+
+	for _, tool := range []string{"wrk", "go"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			log.Fatalf("%s is not on the PATH (Debian: apt-get install %s)", tool, tool)
+		}
+	}
+	root, err := moduleRoot()
+	if err != nil {
+		log.Fatal(err)
+	}
+	dir, err := os.MkdirTemp("", "rate-limit-load-")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	bare, with := filepath.Join(dir, "caddy-bare"), filepath.Join(dir, "caddy-rate-limit")
+	for bin, pkg := range map[string]string{bare: "./bench/barecaddy", with: "./cmd/caddy"} {
+		log.Printf("building %s", pkg)
+		cmd := exec.Command("go", "build", "-o", bin, pkg)
+		cmd.Dir, cmd.Stdout, cmd.Stderr = root, os.Stderr, os.Stderr
+		if err := cmd.Run(); err != nil {
+			log.Fatalf("building %s: %v", pkg, err)
+		}
+	}
+	lua := filepath.Join(root, "bench", "clients.lua")
+
+	fmt.Printf("wrk -t1 -c%d -d%s on loopback, %d rounds alternating bare Caddy (A) and Caddy with rate_limit (B); medians\n\n", *conns, *duration, *rounds)
+	fmt.Println("| scenario | A req/s | B req/s | B/A req/s | A CPU µs/req | B CPU µs/req | A/B CPU | A p50/p99 ms | B p50/p99 ms | A peak RSS | B peak RSS | B non-2xx |")
+	fmt.Println("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+	for _, sc := range scenarios {
+		if !selected(sc.name, *only) {
+			continue
+		}
+		var redisAddr string
+		var stopRedis func()
+		if sc.redis {
+			redisAddr, stopRedis = startRedis(dir)
+		}
+		var a, b []result
+		for round := range *rounds {
+			for _, side := range []string{"A", "B"} {
+				if sc.redis {
+					flushRedis(redisAddr)
+				}
+				bin, block := bare, ""
+				if side == "B" {
+					bin, block = with, strings.ReplaceAll(sc.limit, "$REDIS", redisAddr)
+				}
+				r := run(dir, bin, block, sc, lua, *conns, *duration)
+				log.Printf("%s, round %d, %s: %.0f req/s, %.1f µs CPU/req, p99 %.2f ms, peak RSS %.1f MB, non-2xx %d",
+					sc.name, round+1, side, r.rps, r.cpuPerReq, r.p99, r.rssMB, r.non2xx)
+				if side == "A" {
+					a = append(a, r)
+				} else {
+					b = append(b, r)
+				}
+			}
+		}
+		if stopRedis != nil {
+			stopRedis()
+		}
+		ma, mb := medians(a), medians(b)
+		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d |\n",
+			sc.name, ma.rps, mb.rps, mb.rps/ma.rps, ma.cpuPerReq, mb.cpuPerReq, ma.cpuPerReq/mb.cpuPerReq,
+			ma.p50, ma.p99, mb.p50, mb.p99, ma.rssMB, mb.rssMB, mb.non2xx)
+		if sc.clients > 0 {
+			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | %.0f B/key | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
+		}
+	}
+}
+
+// selected reports whether the scenario is among those -only names.
+func selected(name, only string) bool {
+	if only == "" {
+		return true
+	}
+	for p := range strings.SplitSeq(only, ",") {
+		if strings.HasPrefix(name, strings.TrimSpace(p)) {
+			return true
+		}
+	}
+	return false
+}
+
+// run starts bin with a site holding block, loads it with wrk and returns
+// the figures.
+func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Duration) result {
+	port := freePort()
+	mark := strconv.FormatInt(time.Now().UnixNano(), 36)
+	cfg := fmt.Sprintf(`{
+	admin off
+	auto_https off
+	persist_config off
+	grace_period 1s
+}
+
+http://127.0.0.1:%d {
+	header X-Bench-Run %s
+	%s
+	respond "ok"
+}
+`, port, mark, block)
+	path := filepath.Join(dir, "Caddyfile")
+	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
+		log.Fatal(err)
+	}
+	cmd := exec.Command(bin, "run", "--config", path, "--adapter", "caddyfile")
+	var logs bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		log.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}()
+	base := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	if err := waitFor(base, mark); err != nil {
+		log.Fatalf("caddy %s: %v\n%s", filepath.Base(bin), err, logs.String())
+	}
+	args := []string{"-t1", fmt.Sprintf("-c%d", conns), "--latency"}
+	if sc.clients > 0 {
+		args = append(args, "-s", lua)
+	}
+	env := append(os.Environ(), fmt.Sprintf("CLIENTS=%d", max(sc.clients, 1)))
+	wrk(append(args, "-d1s", base), env) // warm up
+	cpu0 := cpuTicks(cmd.Process.Pid)
+	out := wrk(append(args, fmt.Sprintf("-d%s", d), base), env)
+	cpu1 := cpuTicks(cmd.Process.Pid)
+	r := parseWrk(out)
+	reqs := parseRequests(out)
+	if reqs > 0 {
+		r.cpuPerReq = float64(cpu1-cpu0) / clockTicks * 1e6 / float64(reqs)
+	}
+	r.rssMB = peakRSS(cmd.Process.Pid)
+	return r
+}
+
+// wrk runs wrk and returns its output.
+func wrk(args []string, env []string) string {
+	cmd := exec.Command("wrk", args...)
+	cmd.Env = env
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		log.Fatalf("wrk %v: %v\n%s", args, err, out)
+	}
+	return string(out)
+}
+
+// waitFor waits until url answers with the run's mark: the Caddy we
+// started, not another server sharing the port.
+func waitFor(url, mark string) error {
+	c := &http.Client{Timeout: time.Second}
+	deadline := time.Now().Add(15 * time.Second)
+	for time.Now().Before(deadline) {
+		resp, err := c.Get(url)
+		if err == nil {
+			resp.Body.Close()
+			if got := resp.Header.Get("X-Bench-Run"); got == mark {
+				return nil
+			} else if got != "" {
+				return fmt.Errorf("port answered by another run (mark %q)", got)
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return fmt.Errorf("no answer from %s", url)
+}
+
+var (
+	rpsRe      = regexp.MustCompile(`Requests/sec:\s+([\d.]+)`)
+	latRe      = regexp.MustCompile(`(?m)^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$`)
+	requestsRe = regexp.MustCompile(`(\d+) requests in`)
+	non2xxRe   = regexp.MustCompile(`Non-2xx or 3xx responses: (\d+)`)
+)
+
+// parseWrk reads req/s, p50, p99 and the non-2xx count from wrk's output.
+func parseWrk(out string) result {
+	var r result
+	if m := rpsRe.FindStringSubmatch(out); m != nil {
+		r.rps, _ = strconv.ParseFloat(m[1], 64)
+	}
+	for _, m := range latRe.FindAllStringSubmatch(out, -1) {
+		v, _ := strconv.ParseFloat(m[2], 64)
+		switch m[3] {
+		case "us":
+			v /= 1000
+		case "s":
+			v *= 1000
+		}
+		if m[1] == "50" {
+			r.p50 = v
+		} else {
+			r.p99 = v
+		}
+	}
+	if m := non2xxRe.FindStringSubmatch(out); m != nil {
+		r.non2xx, _ = strconv.Atoi(m[1])
+	}
+	return r
+}
+
+// parseRequests reads how many requests wrk completed.
+func parseRequests(out string) int {
+	m := requestsRe.FindStringSubmatch(out)
+	if m == nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(m[1])
+	return n
+}
+
+// clockTicks is the kernel's USER_HZ, as /proc/<pid>/stat counts.
+const clockTicks = 100
+
+// cpuTicks returns the process's user and system time in clock ticks.
+func cpuTicks(pid int) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	u, _ := strconv.ParseInt(fields[11], 10, 64) // utime is field 14 of the line
+	k, _ := strconv.ParseInt(fields[12], 10, 64) // stime, field 15
+	return u + k
+}
+
+// peakRSS returns the process's peak resident set (VmHWM) in MB.
+func peakRSS(pid int) float64 {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
+			kb, _ := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 64)
+			return kb / 1000
+		}
+	}
+	return 0
+}
+
+// medians returns the median of each figure.
+func medians(rs []result) result {
+	med := func(get func(result) float64) float64 {
+		v := make([]float64, len(rs))
+		for i, r := range rs {
+			v[i] = get(r)
+		}
+		sort.Float64s(v)
+		if len(v) == 0 {
+			return 0
+		}
+		if len(v)%2 == 1 {
+			return v[len(v)/2]
+		}
+		return (v[len(v)/2-1] + v[len(v)/2]) / 2
+	}
+	non2xx := make([]int, len(rs))
+	for i, r := range rs {
+		non2xx[i] = r.non2xx
+	}
+	slices.Sort(non2xx)
+	return result{
+		rps:       med(func(r result) float64 { return r.rps }),
+		p50:       med(func(r result) float64 { return r.p50 }),
+		p99:       med(func(r result) float64 { return r.p99 }),
+		cpuPerReq: med(func(r result) float64 { return r.cpuPerReq }),
+		rssMB:     med(func(r result) float64 { return r.rssMB }),
+		non2xx:    non2xx[len(non2xx)/2],
+	}
+}
+
+// freePort returns a loopback port that was free a moment ago (waitFor
+// checks that the Caddy started on it is the one answering).
+func freePort() int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// startRedis starts a redis-server without persistence on a free port.
+func startRedis(dir string) (string, func()) {
+	port := freePort()
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, "redis-server", "--port", strconv.Itoa(port), "--bind", "127.0.0.1",
+		"--save", "", "--appendonly", "no", "--dir", dir)
+	if err := cmd.Start(); err != nil {
+		log.Fatalf("redis-server: %v (Debian: apt-get install redis-server)", err)
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	for i := 0; ; i++ {
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			break
+		}
+		if i > 100 {
+			log.Fatalf("redis-server on %s did not start", addr)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return addr, func() { cancel(); _ = cmd.Wait() }
+}
+
+// flushRedis empties the Redis between runs, so that each starts from no
+// keys.
+func flushRedis(addr string) {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.FlushAll(ctx).Err(); err != nil {
+		log.Fatalf("FLUSHALL on %s: %v", addr, err)
+	}
+}
+
+// moduleRoot returns the root of this module (where go.mod is).
+func moduleRoot() (string, error) {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		return "", err
+	}
+	mod := strings.TrimSpace(string(out))
+	if mod == "" || mod == os.DevNull {
+		return "", fmt.Errorf("run from inside the module (go env GOMOD is empty)")
+	}
+	return filepath.Dir(mod), nil
+}
