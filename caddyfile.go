@@ -71,6 +71,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			timeout    <duration>         # per decision, at most 10s; default 100ms
 //			on_error   local|allow|deny   # default local
 //			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
+//			pipeline   on|off             # default on: concurrent decisions share round trips
 //		}
 //	}
 //
@@ -348,6 +349,8 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 			sc.OnError = val
 		case "hash_keys":
 			sc.HashKeys = val
+		case "pipeline":
+			sc.Pipeline = val
 		default:
 			return d.Errf("unrecognized store redis option %q", opt)
 		}

@@ -112,12 +112,24 @@ type StoreConfig struct {
 	// store raw keys).
 	HashKeys string `json:"hash_keys,omitempty"`
 
+	// Pipeline is "on" to send the decisions that wait at the same moment
+	// as one pipeline write per round trip (go-redis's auto-pipeliner; each
+	// decision stays one atomic script), or "off" to send each on its own.
+	// Default: "on".
+	Pipeline string `json:"pipeline,omitempty"`
+
 	// Set by provision: the options with placeholders replaced.
 	opts     *redis.UniversalOptions
 	hashKey  []byte
 	connKey  string // identifies the connection config, for the client pool
 	identity string // identifies the zone's counters: connection, prefix, hashing
 }
+
+// Pipeline settings of the Redis store.
+const (
+	PipelineOn  = "on"  // concurrent decisions share round trips (the default)
+	PipelineOff = "off" // each decision is its own round trip
+)
 
 // isRedis reports whether the config selects the Redis store.
 func (sc *StoreConfig) isRedis() bool { return sc != nil && sc.Type == StoreRedis }
@@ -173,6 +185,11 @@ func (sc *StoreConfig) check() error {
 	default:
 		errs = append(errs, fmt.Errorf("invalid on_error %q: must be local, allow or deny", sc.OnError))
 	}
+	switch sc.Pipeline {
+	case "", PipelineOn, PipelineOff:
+	default:
+		errs = append(errs, fmt.Errorf("invalid pipeline %q: must be on or off", sc.Pipeline))
+	}
 	return errors.Join(errs...)
 }
 
@@ -180,7 +197,7 @@ func (sc *StoreConfig) check() error {
 func (sc *StoreConfig) hasRedisOptions() bool {
 	return len(sc.Addresses) > 0 || sc.URL != "" || sc.MasterName != "" || sc.Username != "" ||
 		sc.Password != "" || sc.DB != 0 || sc.TLS || sc.KeyPrefix != "" || sc.Timeout != 0 ||
-		sc.OnError != "" || sc.HashKeys != ""
+		sc.OnError != "" || sc.HashKeys != "" || sc.Pipeline != ""
 }
 
 // provision fills in defaults, replaces placeholders and builds the client
@@ -316,9 +333,9 @@ func (sc *StoreConfig) describe() string {
 	if !sc.isRedis() {
 		return StoreMemory
 	}
-	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t)",
+	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t pipeline=%s)",
 		strings.Join(sc.Addresses, ","), sc.URL != "", sc.MasterName, sc.DB, sc.TLS, sc.KeyPrefix,
-		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "")
+		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "", sc.Pipeline)
 }
 
 // digest is a short fingerprint of a secret, so that a key naming a

@@ -4,7 +4,7 @@
 // medians of req/s, latency, Caddy's CPU time per request and peak RSS are
 // printed with their ratios.
 //
-//	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only name,…]
+//	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;…']
 //
 // It needs wrk and, for the Redis scenario, redis-server on the PATH. It
 // builds both Caddys into a temporary directory, starts each on a free
@@ -52,6 +52,8 @@ var scenarios = []scenario{
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"},
 	{name: "admitted, 100000 clients, Redis", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t}\n\t}"},
+	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
+		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
 }
 
 // result is one run's figures.
@@ -66,7 +68,7 @@ func main() {
 	rounds := flag.Int("rounds", 3, "alternating rounds per scenario")
 	duration := flag.Duration("duration", 8*time.Second, "wrk run per round")
 	conns := flag.Int("connections", 32, "wrk connections (one thread)")
-	only := flag.String("only", "", "comma-separated scenario name prefixes to run (default all)")
+	only := flag.String("only", "", "semicolon-separated scenario name prefixes to run (default all)")
 	flag.Parse()
 	log.SetFlags(0)
 
@@ -118,6 +120,9 @@ func main() {
 					bin, block = with, strings.ReplaceAll(sc.limit, "$REDIS", redisAddr)
 				}
 				r := run(dir, bin, block, sc, lua, *conns, *duration)
+				if sc.redis && side == "B" {
+					log.Printf("%s, round %d: redis-server %s", sc.name, round+1, redisScriptStats(redisAddr))
+				}
 				log.Printf("%s, round %d, %s: %.0f req/s, %.1f µs CPU/req, p99 %.2f ms, peak RSS %.1f MB, non-2xx %d",
 					sc.name, round+1, side, r.rps, r.cpuPerReq, r.p99, r.rssMB, r.non2xx)
 				if side == "A" {
@@ -134,7 +139,7 @@ func main() {
 		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d |\n",
 			sc.name, ma.rps, mb.rps, mb.rps/ma.rps, ma.cpuPerReq, mb.cpuPerReq, ma.cpuPerReq/mb.cpuPerReq,
 			ma.p50, ma.p99, mb.p50, mb.p99, ma.rssMB, mb.rssMB, mb.non2xx)
-		if sc.clients > 0 {
+		if sc.clients > 0 && !sc.redis {
 			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | %.0f B/key | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
 		}
 	}
@@ -145,7 +150,7 @@ func selected(name, only string) bool {
 	if only == "" {
 		return true
 	}
-	for p := range strings.SplitSeq(only, ",") {
+	for p := range strings.SplitSeq(only, ";") {
 		if strings.HasPrefix(name, strings.TrimSpace(p)) {
 			return true
 		}
@@ -389,6 +394,27 @@ func flushRedis(addr string) {
 	if err := c.FlushAll(ctx).Err(); err != nil {
 		log.Fatalf("FLUSHALL on %s: %v", addr, err)
 	}
+}
+
+// redisScriptStats returns what Redis reports of the script calls since the
+// last flush (INFO commandstats): calls and CPU microseconds per call.
+func redisScriptStats(addr string) string {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	info, err := c.Info(ctx, "commandstats").Result()
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for line := range strings.SplitSeq(info, "\n") {
+		if strings.HasPrefix(line, "cmdstat_evalsha:") || strings.HasPrefix(line, "cmdstat_eval:") {
+			out = append(out, strings.TrimSpace(line))
+		}
+	}
+	_ = c.ConfigResetStat(ctx).Err()
+	return strings.Join(out, " ")
 }
 
 // moduleRoot returns the root of this module (where go.mod is).

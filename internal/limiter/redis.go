@@ -110,6 +110,10 @@ type RedisStoreOptions struct {
 	MaxTracked int
 	// Logger receives health changes. Default: none.
 	Logger *zap.Logger
+	// NoPipeline sends each decision on its own instead of through the
+	// client's auto-pipeliner, which writes the decisions that wait at the
+	// same moment as one pipeline (each still one atomic script).
+	NoPipeline bool
 }
 
 // RedisStore is a Store whose counters live in Redis, so that every Caddy
@@ -127,6 +131,7 @@ type RedisStoreOptions struct {
 // concurrent use.
 type RedisStore struct {
 	client  redis.UniversalClient
+	pipe    *redis.AutoPipeliner // batches concurrent decisions; nil: one call each
 	prefix  string
 	hashKey []byte
 	timeout atomic.Int64 // time.Duration
@@ -162,6 +167,21 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 		wake:       make(chan struct{}, 1),
 		used:       make(chan struct{}),
 		probeEvery: defaultProbeEvery,
+	}
+	if !opts.NoPipeline && opts.Client != nil {
+		// go-redis batches the commands of concurrent callers into one
+		// write per round trip. Its asynchronous face is used, so that
+		// each decision waits for its reply only until its own deadline
+		// (a command, once queued, ignores its context), and the queue is
+		// bounded so that a hung Redis cannot pile decisions up. A client
+		// that has none (a Ring) decides one call at a time.
+		cfg := redis.DefaultAutoPipelineOptions()
+		cfg.MaxQueuedCommands = pipelineQueue
+		if ap, err := opts.Client.AsyncAutoPipelineWithOptions(cfg); err == nil {
+			s.pipe = ap
+		} else {
+			opts.Logger.Debug("redis auto-pipelining unavailable; decisions are sent one by one", zap.Error(err))
+		}
 	}
 	s.refused.init(opts.MaxTracked)
 	s.SetTimeout(opts.Timeout)
@@ -490,7 +510,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 			a[6] = strconv.FormatInt(c.Limit.Ban.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Limit.BanMax.Milliseconds(), 10) + noBan
 		}
 	}
-	res, err := hitScript.Run(ctx, s.client, keys, args...).Int64Slice()
+	res, err := s.runScript(ctx, keys, args)
 	if err != nil {
 		return err
 	}
@@ -541,6 +561,35 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		out[i] = v
 	}
 	return nil
+}
+
+// pipelineQueue bounds the decisions queued in the auto-pipeliner: past
+// it, a decision fails at once (and on_error decides it).
+const pipelineQueue = 10_000
+
+// runScript runs the decision script, through the auto-pipeliner when the
+// store has one.
+func (s *RedisStore) runScript(ctx context.Context, keys []string, args []any) ([]int64, error) {
+	if s.pipe == nil {
+		return hitScript.Run(ctx, s.client, keys, args...).Int64Slice()
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err // once queued, the command would run all the same
+	}
+	full := make([]any, 0, 3+len(keys)+len(args))
+	full = append(full, "evalsha", hitScript.Hash(), len(keys))
+	for _, k := range keys {
+		full = append(full, k)
+	}
+	cmd := redis.NewCmd(ctx, append(full, args...)...)
+	if err := s.pipe.Submit(ctx, cmd).WaitContext(ctx); err != nil {
+		if redis.HasErrorPrefix(err, "NOSCRIPT") {
+			// A Redis that lost its scripts (a restart): Run loads it.
+			return hitScript.Run(ctx, s.client, keys, args...).Int64Slice()
+		}
+		return nil, err
+	}
+	return cmd.Int64Slice()
 }
 
 // fallback decides without Redis, as on_error says.

@@ -703,6 +703,28 @@ func BenchmarkRedisHit(b *testing.B) {
 			}
 		})
 	})
+	// 32 callers at once (16 per core), as a busy server has: with the
+	// auto-pipeliner, their decisions share round trips.
+	single, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, NoPipeline: true, Prefix: "bench-single:"})
+	for _, tc := range []struct {
+		name  string
+		store *RedisStore
+	}{{"concurrent-32/pipelined", s}, {"concurrent-32/one-by-one", single}} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			b.SetParallelism(16)
+			b.RunParallel(func(pb *testing.PB) {
+				i := 0
+				for pb.Next() {
+					if _, err := tc.store.Hit(ctx, keys[i%len(keys)], time.Now(), lim); err != nil {
+						b.Error(err)
+						return
+					}
+					i++
+				}
+			})
+		})
+	}
 	b.Run("refused-locally", func(b *testing.B) {
 		b.ReportAllocs()
 		one := Limit{Window: time.Minute, Max: 1}
