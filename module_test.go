@@ -67,6 +67,38 @@ func BenchmarkServeHTTP(b *testing.B) {
 	}
 }
 
+// BenchmarkServeHTTPWebSocket is a WebSocket handshake admitted under the
+// rate and the socket cap: the socket is counted while next serves it.
+func BenchmarkServeHTTPWebSocket(b *testing.B) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	on := true
+	rl := &RateLimit{Zone: "bench_ws", Max: MaxRequests, Window: caddy.Duration(time.Minute), Enabled: &on, WSMaxConnectionsPerIP: 1000}
+	if err := rl.Provision(ctx); err != nil {
+		b.Fatal(err)
+	}
+	defer rl.Cleanup()
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r.Header.Set("Connection", "Upgrade")
+	r.Header.Set("Upgrade", "websocket")
+	r.Header.Set("Sec-WebSocket-Version", "13")
+	r.Header.Set("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
+	c := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
+	c = context.WithValue(c, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"})
+	r = r.WithContext(c)
+	w := &headerWriter{h: http.Header{}}
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := rl.ServeHTTP(w, r, next); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if n := rl.zone.wsOpen("203.0.113.9"); n != 0 {
+		b.Fatalf("%d sockets left open after the handshakes", n)
+	}
+}
+
 // BenchmarkServeHTTPAbuse is the admitted path with each abuse control on,
 // beside BenchmarkServeHTTP/allowed with none: count_status gives every
 // request's unit back (its status, 200, does not count).
