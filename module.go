@@ -503,15 +503,16 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	m := constraining(out[:n])
 	v := out[m]
 	key := checks[m].Key
-	reset := ceilSeconds(v.Reset.UnixNano())
-	rl.setHeaders(w.Header(), &rl.policies[of[m]], v, reset, now)
+	bp := &rl.policies[of[m]]
+	reset := bp.resetOf(ceilSeconds(v.Reset.UnixNano()))
+	rl.setHeaders(w.Header(), bp, v, reset, now)
 
 	repl.Set("http.rate_limit.zone", rl.policies[0].nameAny) // the first limit is named after the zone
-	repl.Set("http.rate_limit.policy", rl.policies[of[m]].nameAny)
+	repl.Set("http.rate_limit.policy", bp.nameAny)
 	repl.Set("http.rate_limit.key", key)
-	repl.Set("http.rate_limit.limit", v.Max)
+	repl.Set("http.rate_limit.limit", bp.maxAny)
 	repl.Set("http.rate_limit.remaining", v.Remaining)
-	repl.Set("http.rate_limit.reset", reset)
+	repl.Set("http.rate_limit.reset", reset.boxed)
 	repl.Set("http.rate_limit.exceeded", !allowed)
 	if !allowed {
 		rl.refused(checks[:n], of[:n], out[:n])
@@ -632,7 +633,7 @@ func (rl *RateLimit) ipKey(r *http.Request) string {
 // setHeaders sets the quota headers of the configured mode for the limit
 // that binds the request (p, whose verdict is v); reset is v.Reset in Unix
 // seconds, rounded up. RateLimit-Policy lists every limit.
-func (rl *RateLimit) setHeaders(h http.Header, p *policy, v limiter.Verdict, reset int64, now time.Time) {
+func (rl *RateLimit) setHeaders(h http.Header, p *policy, v limiter.Verdict, reset *resetText, now time.Time) {
 	if !rl.legacyHeaders && !rl.ietfHeaders {
 		return
 	}
@@ -640,10 +641,13 @@ func (rl *RateLimit) setHeaders(h http.Header, p *policy, v limiter.Verdict, res
 	if rl.legacyHeaders {
 		// Canonical keys set directly: h.Set would allocate to canonicalize
 		// them on every request. They go out as X-Ratelimit-*, as h.Set
-		// would send them; header names are case-insensitive.
-		h["X-Ratelimit-Limit"] = []string{p.maxStr}
-		h["X-Ratelimit-Remaining"] = []string{remaining}
-		h["X-Ratelimit-Reset"] = []string{strconv.FormatInt(reset, 10)}
+		// would send them; header names are case-insensitive. The three
+		// values share one array, each capped to its own element.
+		vals := [...]string{p.maxStr, remaining, reset.text}
+		all := vals[:]
+		h["X-Ratelimit-Limit"] = all[0:1:1]
+		h["X-Ratelimit-Remaining"] = all[1:2:2]
+		h["X-Ratelimit-Reset"] = all[2:3:3]
 	}
 	if rl.ietfHeaders {
 		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -104,7 +105,11 @@ type policy struct {
 	missingKey string        // the stored form of a missing value
 	quoted     string        // the name as a quoted string, for the IETF headers
 	maxStr     string
+	maxAny     any // the max as the limit placeholder takes it, boxed once
 	errInvalid error
+	// reset is the last reset written for this limit, formatted and boxed:
+	// requests of one window, or of windows begun in one second, share it.
+	reset *atomic.Pointer[resetText]
 
 	countStatus []statusRange // responses that count; nil: every one
 	costKey     string        // the cost placeholder; "" for the constant check.Cost
@@ -119,6 +124,8 @@ func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) p
 		missing: missing,
 		quoted:  strconv.Quote(name),
 		maxStr:  strconv.Itoa(lim.Max),
+		maxAny:  lim.Max,
+		reset:   new(atomic.Pointer[resetText]),
 	}
 	if key != "" && key != "{client_ip}" && key != "{http.vars.client_ip}" {
 		p.key = key
@@ -137,6 +144,25 @@ func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) p
 		p.missingKey = customKey(missing)
 	}
 	return p
+}
+
+// resetText is a reset in Unix seconds, as the header and the placeholder
+// take it.
+type resetText struct {
+	sec   int64
+	text  string
+	boxed any
+}
+
+// resetOf returns reset formatted and boxed, from the limit's last one when
+// it is the same second.
+func (p *policy) resetOf(reset int64) *resetText {
+	if r := p.reset.Load(); r != nil && r.sec == reset {
+		return r
+	}
+	r := &resetText{sec: reset, text: strconv.FormatInt(reset, 10), boxed: reset}
+	p.reset.Store(r)
+	return r
 }
 
 // item is the limit's RateLimit-Policy item.
