@@ -67,22 +67,25 @@ func BenchmarkServeHTTP(b *testing.B) {
 	}
 }
 
-// BenchmarkServeHTTPWebSocket is a WebSocket handshake admitted under the
-// rate and the socket cap: the socket is counted while next serves it.
-func BenchmarkServeHTTPWebSocket(b *testing.B) {
+// benchServe provisions rl (Zone, Max and the options under test set) and
+// runs its admitted path in the benchmark loop for requests from one client
+// IP with the given headers (name, value pairs).
+func benchServe(b *testing.B, rl *RateLimit, headers ...string) {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	on := true
-	rl := &RateLimit{Zone: "bench_ws", Max: MaxRequests, Window: caddy.Duration(time.Minute), Enabled: &on, WSMaxConnectionsPerIP: 1000}
+	rl.Enabled = &on
+	if rl.Window == 0 {
+		rl.Window = caddy.Duration(time.Minute)
+	}
 	if err := rl.Provision(ctx); err != nil {
 		b.Fatal(err)
 	}
 	defer rl.Cleanup()
 	r := httptest.NewRequest(http.MethodGet, "/", nil)
-	r.Header.Set("Connection", "Upgrade")
-	r.Header.Set("Upgrade", "websocket")
-	r.Header.Set("Sec-WebSocket-Version", "13")
-	r.Header.Set("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
+	for i := 0; i+1 < len(headers); i += 2 {
+		r.Header.Set(headers[i], headers[i+1])
+	}
 	c := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
 	c = context.WithValue(c, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"})
 	r = r.WithContext(c)
@@ -94,6 +97,14 @@ func BenchmarkServeHTTPWebSocket(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// BenchmarkServeHTTPWebSocket is a WebSocket handshake admitted under the
+// rate and the socket cap: the socket is counted while next serves it.
+func BenchmarkServeHTTPWebSocket(b *testing.B) {
+	rl := &RateLimit{Zone: "bench_ws", Max: MaxRequests, WSMaxConnectionsPerIP: 1000}
+	benchServe(b, rl, "Connection", "Upgrade", "Upgrade", "websocket",
+		"Sec-WebSocket-Version", "13", "Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")
 	if n := rl.zone.wsOpen("203.0.113.9"); n != 0 {
 		b.Fatalf("%d sockets left open after the handshakes", n)
 	}
@@ -113,27 +124,9 @@ func BenchmarkServeHTTPAbuse(b *testing.B) {
 		{"gcra", func(rl *RateLimit) { rl.Algorithm = AlgorithmGCRA; rl.Window = caddy.Duration(time.Second) }},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
-			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-			defer cancel()
-			on := true
-			rl := &RateLimit{Zone: "bench_abuse_" + tc.name, Max: MaxRequests, Window: caddy.Duration(time.Minute), Enabled: &on}
+			rl := &RateLimit{Zone: "bench_abuse_" + tc.name, Max: MaxRequests}
 			tc.set(rl)
-			if err := rl.Provision(ctx); err != nil {
-				b.Fatal(err)
-			}
-			defer rl.Cleanup()
-			r := httptest.NewRequest(http.MethodGet, "/", nil)
-			c := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
-			c = context.WithValue(c, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"})
-			r = r.WithContext(c)
-			w := &headerWriter{h: http.Header{}}
-			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
-			b.ReportAllocs()
-			for b.Loop() {
-				if err := rl.ServeHTTP(w, r, next); err != nil {
-					b.Fatal(err)
-				}
-			}
+			benchServe(b, rl)
 		})
 	}
 }
