@@ -71,7 +71,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			timeout    <duration>         # per decision, at most 10s; default 100ms
 //			on_error   local|allow|deny   # default local
 //			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
-//			pipeline   on|off             # default on: concurrent decisions share round trips
+//			pipeline   on|off             # default off; on: concurrent decisions share round trips
 //		}
 //	}
 //

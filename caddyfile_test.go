@@ -109,6 +109,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n algorithm gcra\n burst 0\n}", `invalid burst "0": must be at least 1`},
 		{"rate_limit {\n algorithm gcra\n max 1\n window 300d\n burst 2\n}", `invalid burst 2: 2 requests, one every 7200h0m0s, take longer than 8784h0m0s to drip back`},
 		{"rate_limit {\n store redis {\n  address 127.0.0.1:6379\n  pipeline maybe\n }\n}", `invalid pipeline "maybe": must be on or off`},
+		{"rate_limit {\n store redis {\n  address 127.0.0.1:7000 127.0.0.1:7001\n  pipeline on\n }\n}", `invalid pipeline "on" with 2 addresses (a Cluster)`},
 		{"rate_limit {\n algorithm bucket\n}", `invalid algorithm "bucket": must be fixed, sliding or gcra`},
 		{"rate_limit {\n count_status\n}", "wrong argument count"},
 		{"rate_limit {\n count_status 6xx\n}", `invalid count_status "6xx": want a status from 100 to 599`},

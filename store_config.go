@@ -115,7 +115,8 @@ type StoreConfig struct {
 	// Pipeline is "on" to send the decisions that wait at the same moment
 	// as one pipeline write per round trip (go-redis's auto-pipeliner; each
 	// decision stays one atomic script), or "off" to send each on its own.
-	// Default: "on".
+	// "on" trades safety under Redis stalls for CPU (docs/redis.md) and is
+	// refused with a Cluster. Default: "off".
 	Pipeline string `json:"pipeline,omitempty"`
 
 	// Set by provision: the options with placeholders replaced.
@@ -127,8 +128,8 @@ type StoreConfig struct {
 
 // Pipeline settings of the Redis store.
 const (
-	PipelineOn  = "on"  // concurrent decisions share round trips (the default)
-	PipelineOff = "off" // each decision is its own round trip
+	PipelineOn  = "on"  // concurrent decisions share round trips
+	PipelineOff = "off" // each decision is its own round trip (the default)
 )
 
 // isRedis reports whether the config selects the Redis store.
@@ -186,7 +187,11 @@ func (sc *StoreConfig) check() error {
 		errs = append(errs, fmt.Errorf("invalid on_error %q: must be local, allow or deny", sc.OnError))
 	}
 	switch sc.Pipeline {
-	case "", PipelineOn, PipelineOff:
+	case "", PipelineOff:
+	case PipelineOn:
+		if len(sc.Addresses) > 1 && sc.MasterName == "" {
+			errs = append(errs, fmt.Errorf("invalid pipeline %q with %d addresses (a Cluster): a Cluster pipeline re-sends a node's whole batch after a connection error, counting requests twice", sc.Pipeline, len(sc.Addresses)))
+		}
 	default:
 		errs = append(errs, fmt.Errorf("invalid pipeline %q: must be on or off", sc.Pipeline))
 	}

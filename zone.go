@@ -164,7 +164,7 @@ func newZone(rl *RateLimit) *zone {
 			HashKey:    sc.hashKey,
 			MaxTracked: rl.MaxTracked,
 			Logger:     rl.logger.With(zap.String("zone", rl.Zone)),
-			NoPipeline: sc.Pipeline == PipelineOff,
+			Pipeline:   sc.Pipeline == PipelineOn,
 		})
 		z.store, z.redis, z.redisConn = rs, rs, sc.connKey
 		z.apply(rl.settings())

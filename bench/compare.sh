@@ -29,7 +29,7 @@ for round in $(seq "$rounds"); do
 		# Log lines of the handler may share a line with a result: only
 		# the result is kept.
 		(cd "$work/$side" && go test -run '^$' -bench "$pattern" -benchmem -count 2 "${pkgs[@]}" 2>/dev/null) |
-			grep -oE '^Benchmark[^ 	]+[ 	]+[0-9]+[ 	]+[0-9.]+ ns/op([ 	]+[0-9]+ B/op[ 	]+[0-9]+ allocs/op)?' >>"$work/$side.txt" || true
+			grep -E '^Benchmark[^ 	]+[ 	]+[0-9]+[ 	]+[0-9.]+ ns/op' >>"$work/$side.txt" || true
 	done
 done
 python3 - "$work/old.txt" "$work/new.txt" "$base" <<'PY'
@@ -37,9 +37,10 @@ import collections, re, statistics, sys
 def load(path):
     d = collections.defaultdict(list)
     for line in open(path):
-        m = re.match(r'(Benchmark\S+)\s+\d+\s+([\d.]+) ns/op(?:\s+(\d+) B/op\s+(\d+) allocs/op)?', line)
+        m = re.match(r'(Benchmark\S+)\s+\d+\s+([\d.]+) ns/op', line)
         if m:
-            d[m[1]].append((float(m[2]), m[3], m[4]))
+            b = re.search(r'\s(\d+) B/op', line); a = re.search(r'\s(\d+) allocs/op', line)
+            d[m[1]].append((float(m[2]), b and b[1], a and a[1]))
     return d
 old, new = load(sys.argv[1]), load(sys.argv[2])
 print(f"{'benchmark':50} {sys.argv[3][:10]+' ns':>13} {'HEAD ns':>10} {'ratio':>6}  B/op, allocs (before -> after)")

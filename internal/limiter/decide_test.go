@@ -92,19 +92,19 @@ func TestMemoryDecideNoPartialCount(t *testing.T) {
 func TestRedisDecideNoPartialCount(t *testing.T) {
 	srv := redistest.Start(t)
 	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
-	if s.pipe == nil {
-		t.Fatal("the store decides without the auto-pipeliner")
+	if s.pipe != nil {
+		t.Fatal("the store decides through the auto-pipeliner by default")
 	}
 	s.SetLimits([]Check{{}, {Slot: 1, Name: "tenant"}})
 	testDecideNoPartialCount(t, s, time.Now())
 }
 
-// The same without the auto-pipeliner: each decision its own call.
-func TestRedisDecideNoPartialCountOneByOne(t *testing.T) {
+// The same through the auto-pipeliner (pipeline on).
+func TestRedisDecideNoPartialCountPipelined(t *testing.T) {
 	srv := redistest.Start(t)
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{NoPipeline: true})
-	if s.pipe != nil {
-		t.Fatal("NoPipeline store has an auto-pipeliner")
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Pipeline: true})
+	if s.pipe == nil {
+		t.Fatal("a Pipeline store has no auto-pipeliner")
 	}
 	s.SetLimits([]Check{{}, {Slot: 1, Name: "tenant"}})
 	testDecideNoPartialCount(t, s, time.Now())

@@ -110,10 +110,13 @@ type RedisStoreOptions struct {
 	MaxTracked int
 	// Logger receives health changes. Default: none.
 	Logger *zap.Logger
-	// NoPipeline sends each decision on its own instead of through the
-	// client's auto-pipeliner, which writes the decisions that wait at the
-	// same moment as one pipeline (each still one atomic script).
-	NoPipeline bool
+	// Pipeline sends decisions through the client's auto-pipeliner, which
+	// writes the decisions that wait at the same moment as one pipeline
+	// (each still one atomic script), instead of each on its own. Not for
+	// a Cluster client: a Cluster pipeline re-sends a node's whole batch
+	// after a transport error, counting requests twice. See
+	// docs/redis.md for what else it trades.
+	Pipeline bool
 }
 
 // RedisStore is a Store whose counters live in Redis, so that every Caddy
@@ -168,7 +171,7 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 		used:       make(chan struct{}),
 		probeEvery: defaultProbeEvery,
 	}
-	if !opts.NoPipeline && opts.Client != nil {
+	if _, cluster := opts.Client.(*redis.ClusterClient); opts.Pipeline && opts.Client != nil && !cluster {
 		// go-redis batches the commands of concurrent callers into one
 		// write per round trip. Its asynchronous face is used, so that
 		// each decision waits for its reply only until its own deadline
@@ -919,7 +922,11 @@ const probeTag = "__probe"
 // would cycle between degraded and recovering.
 func (s *RedisStore) probeOnce(ctx context.Context) error {
 	base := s.base("", probeTag)
-	return hitScript.Run(ctx, s.client, []string{base + "c", base + "r", base + "p"}, 1<<30, 1000, 1000, 0, 1, 0, "").Err()
+	// The decisions' own path (the auto-pipeliner, when on): a probe
+	// through another connection would call a Redis healthy that the
+	// decisions still cannot reach.
+	_, err := s.runScript(ctx, []string{base + "c", base + "r", base + "p"}, []any{1 << 30, 1000, 1000, 0, 1, 0, ""})
+	return err
 }
 
 // tag returns the part of the Redis keys that names the client: the key

@@ -705,11 +705,11 @@ func BenchmarkRedisHit(b *testing.B) {
 	})
 	// 32 callers at once (16 per core), as a busy server has: with the
 	// auto-pipeliner, their decisions share round trips.
-	single, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, NoPipeline: true, Prefix: "bench-single:"})
+	piped, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, Pipeline: true, Prefix: "bench-piped:"})
 	for _, tc := range []struct {
 		name  string
 		store *RedisStore
-	}{{"concurrent-32/pipelined", s}, {"concurrent-32/one-by-one", single}} {
+	}{{"concurrent-32/pipelined", piped}, {"concurrent-32/one-by-one", s}} {
 		b.Run(tc.name, func(b *testing.B) {
 			b.ReportAllocs()
 			b.SetParallelism(16)
