@@ -509,9 +509,17 @@ func TestRedisStoreOnError(t *testing.T) {
 // timeout, then none once the store is degraded; it recovers when Redis
 // answers again.
 func TestRedisStoreHungRedis(t *testing.T) {
+	for _, pipeline := range []bool{false, true} {
+		t.Run(fmt.Sprintf("pipeline=%t", pipeline), func(t *testing.T) { testHungRedis(t, pipeline) })
+	}
+}
+
+// testHungRedis checks that every decision against a hung Redis ends at its
+// timeout, one by one or through the auto-pipeliner.
+func testHungRedis(t *testing.T, pipeline bool) {
 	srv := redistest.Start(t)
 	const timeout = 100 * time.Millisecond
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Timeout: timeout})
+	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow, Timeout: timeout, Pipeline: pipeline})
 	ctx := context.Background()
 	lim := Limit{Window: time.Minute, Max: 100}
 	if _, err := s.Hit(ctx, "warm", time.Now(), lim); err != nil {
