@@ -34,10 +34,10 @@ const DefaultBanMax = 24 * time.Hour
 
 // Bounds of the delay options.
 const (
-	MaxDelay           = time.Minute
-	DefaultDelayPerKey = 4
-	DefaultDelayTotal  = 1000
-	MaxDelayWaiting    = 100_000
+	MaxDelay           = time.Minute // the longest delay
+	DefaultDelayPerKey = 4           // delay_per_key when unset
+	DefaultDelayTotal  = 1000        // delay_total when unset
+	MaxDelayWaiting    = 100_000     // the most delay_per_key and delay_total accept
 )
 
 // CostValue is a request cost as JSON gives it: a number (10), or a string
