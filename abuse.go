@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
@@ -151,35 +152,111 @@ func checkBan(what string, ban, banMax time.Duration) error {
 	return nil
 }
 
-// abuseSettings are the abuse controls of one limit, as the handler or a
-// limit block gives them.
-type abuseSettings struct {
-	countStatus []string
-	cost        string
-	ban, banMax time.Duration
-	burst       int
+// AbuseControls turn a limit into a brute-force defence. On the handler
+// they apply to every limit; on a limit (LimitConfig) they replace the
+// handler's, each where it is set.
+type AbuseControls struct {
+	// CountStatus, when set, makes only responses with these statuses
+	// count against the limit: codes ("401"), classes ("4xx") or ranges
+	// ("500-599"); ["all"] counts every response. Every request is still
+	// judged first, and a key over its limit is refused before the next
+	// handler runs. An admitted request holds its units while it is
+	// served and gives them back when its status does not count, so that
+	// concurrent requests of one key never overshoot the limit. A
+	// WebSocket handshake always counts. Default: every response counts.
+	CountStatus []string `json:"count_status,omitempty"`
+
+	// Cost is how many units of the quota a request spends: a whole
+	// number from 1 to 1000000000, or a placeholder evaluated per request
+	// (a value that is not such a number costs 1, and the first one is
+	// logged). A request that costs more than the quota left is refused
+	// and spends nothing. Default: 1.
+	Cost CostValue `json:"cost,omitempty"`
+
+	// Ban refuses a key that goes over the limit for this long from its
+	// first refusal, not only until its window resets; Retry-After and the
+	// quota headers say so. Bans are listed by the admin API
+	// (banned_until) and lifted by its unblock; in a Redis zone they hold
+	// on every instance. From 1s to 366 days. Default: no ban.
+	Ban caddy.Duration `json:"ban,omitempty"`
+
+	// BanMax escalates bans: each violation within a day of the end of the
+	// key's previous ban doubles its ban, up to BanMax (above Ban, at most
+	// 366 days). Set with Ban: a limit that sets either replaces both.
+	// Default: no escalation.
+	BanMax caddy.Duration `json:"ban_max,omitempty"`
+
+	// Burst is, with algorithm gcra, how many requests a key with a full
+	// bucket may send at once, from 1 to 1000000000. Default: Max.
+	Burst int `json:"burst,omitempty"`
 }
 
-// checkAbuse reports every invalid abuse control of one limit.
-func checkAbuse(what string, a abuseSettings, algorithm string) []error {
+// over returns a's controls where a sets them, base's elsewhere.
+func (a AbuseControls) over(base AbuseControls) AbuseControls {
+	if len(a.CountStatus) > 0 {
+		base.CountStatus = a.CountStatus
+	}
+	if a.Cost != "" {
+		base.Cost = a.Cost
+	}
+	if a.Ban != 0 || a.BanMax != 0 {
+		base.Ban, base.BanMax = a.Ban, a.BanMax
+	}
+	if a.Burst != 0 {
+		base.Burst = a.Burst
+	}
+	return base
+}
+
+// check reports every invalid control, naming the option (of the limit
+// what names, or of the handler for "") and its value.
+func (a AbuseControls) check(what, algorithm string) []error {
 	var errs []error
-	if _, err := parseStatusRanges(join(what, "count_status"), a.countStatus); err != nil {
+	if _, err := parseStatusRanges(join(what, "count_status"), a.CountStatus); err != nil {
 		errs = append(errs, err)
 	}
-	if err := checkCost(join(what, "cost"), a.cost); err != nil {
+	if err := checkCost(join(what, "cost"), string(a.Cost)); err != nil {
 		errs = append(errs, err)
 	}
-	if err := checkBan(join(what, "ban"), a.ban, a.banMax); err != nil {
+	if err := checkBan(join(what, "ban"), time.Duration(a.Ban), time.Duration(a.BanMax)); err != nil {
 		errs = append(errs, err)
 	}
-	if a.burst != 0 {
+	if a.Burst != 0 {
 		if algorithm != AlgorithmGCRA {
-			errs = append(errs, fmt.Errorf("invalid %s %d: burst applies to algorithm gcra only", join(what, "burst"), a.burst))
-		} else if a.burst < 1 || a.burst > MaxRequests {
-			errs = append(errs, fmt.Errorf("invalid %s %d: must be from 1 to %d", join(what, "burst"), a.burst, MaxRequests))
+			errs = append(errs, fmt.Errorf("invalid %s %d: burst applies to algorithm gcra only", join(what, "burst"), a.Burst))
+		} else if a.Burst < 1 || a.Burst > MaxRequests {
+			errs = append(errs, fmt.Errorf("invalid %s %d: must be from 1 to %d", join(what, "burst"), a.Burst, MaxRequests))
 		}
 	}
 	return errs
+}
+
+// unmarshalOption parses the Caddyfile option opt into a when it is one of
+// the abuse controls, and reports whether it was; what names the limit
+// (or "" for the handler) in errors. d is at the option's token.
+func (a *AbuseControls) unmarshalOption(d *caddyfile.Dispenser, opt, what string) (bool, error) {
+	var err error
+	switch opt {
+	case "count_status":
+		if a.CountStatus = d.RemainingArgs(); len(a.CountStatus) == 0 {
+			return true, d.ArgErr()
+		}
+	case "ban":
+		a.Ban, a.BanMax, err = parseBan(d)
+	case "cost", "burst":
+		var val string
+		if val, err = oneArg(d, opt); err != nil {
+			return true, err
+		}
+		if opt == "cost" {
+			a.Cost = CostValue(val)
+		} else {
+			a.Burst, err = parseInt(d, join(what, opt), val, 1)
+		}
+	default:
+		return false, nil
+	}
+	return true, err
 }
 
 // join names an option of a limit ("limit \"burst\" cost"), or of the
@@ -373,16 +450,16 @@ var errClientGone = errors.New("the client went away while its request was delay
 // shared describes the abuse controls that handlers naming one zone must
 // share (those the store keeps: bans and the bucket's size), "" when none
 // is set.
-func (a abuseSettings) shared() string {
+func (a AbuseControls) shared() string {
 	out := ""
-	if a.ban != 0 {
-		out += fmt.Sprintf(" ban=%s", a.ban)
-		if a.banMax != 0 {
-			out += fmt.Sprintf(" ban_max=%s", a.banMax)
+	if a.Ban != 0 {
+		out += fmt.Sprintf(" ban=%s", time.Duration(a.Ban))
+		if a.BanMax != 0 {
+			out += fmt.Sprintf(" ban_max=%s", time.Duration(a.BanMax))
 		}
 	}
-	if a.burst != 0 {
-		out += fmt.Sprintf(" burst=%d", a.burst)
+	if a.Burst != 0 {
+		out += fmt.Sprintf(" burst=%d", a.Burst)
 	}
 	return out
 }

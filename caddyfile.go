@@ -118,14 +118,9 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			rl.Exempt = append(rl.Exempt, args...)
 			continue
-		case "count_status":
-			if rl.CountStatus = d.RemainingArgs(); len(rl.CountStatus) == 0 {
-				return d.ArgErr()
-			}
-			continue
-		case "ban":
-			var err error
-			if rl.Ban, rl.BanMax, err = parseBan(d); err != nil {
+		}
+		if ok, err := rl.AbuseControls.unmarshalOption(d, opt, ""); ok {
+			if err != nil {
 				return err
 			}
 			continue
@@ -171,10 +166,6 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.WSReject = val
 		case "ws_lease_ttl":
 			rl.WSLeaseTTL, err = parseDuration(d, opt, val)
-		case "cost":
-			rl.Cost = CostValue(val)
-		case "burst":
-			rl.Burst, err = parseInt(d, opt, val, 1)
 		case "delay":
 			rl.Delay, err = parseDuration(d, opt, val)
 		case "delay_per_key":
@@ -219,14 +210,8 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 		if err := seen.first(d, opt); err != nil {
 			return err
 		}
-		switch opt {
-		case "count_status":
-			if l.CountStatus = d.RemainingArgs(); len(l.CountStatus) == 0 {
-				return d.ArgErr()
-			}
-			continue
-		case "ban":
-			if l.Ban, l.BanMax, err = parseBan(d); err != nil {
+		if ok, err := l.AbuseControls.unmarshalOption(d, opt, "limit "+l.Name); ok {
+			if err != nil {
 				return err
 			}
 			continue
@@ -240,10 +225,6 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 			l.Key = val
 		case "missing":
 			l.Missing = val
-		case "cost":
-			l.Cost = CostValue(val)
-		case "burst":
-			l.Burst, err = parseInt(d, "limit "+l.Name+" burst", val, 1)
 		default:
 			return d.Errf("unrecognized limit option %q: want key, missing, count_status, cost, ban or burst", opt)
 		}

@@ -188,38 +188,9 @@ type RateLimit struct {
 	// Status is the status of a refusal, from 400 to 599. Default: 429.
 	Status int `json:"status,omitempty"`
 
-	// CountStatus, when set, makes only responses with these statuses
-	// count against the limits: codes ("401"), classes ("4xx") or ranges
-	// ("500-599"); ["all"] counts every response. Every request is still
-	// judged first, and a key over its limit is refused before the next
-	// handler runs. An admitted request holds its units while it is
-	// served and gives them back when its status does not count, so that
-	// concurrent requests of one key never overshoot the limit. A
-	// WebSocket handshake always counts. Default: every response counts.
-	CountStatus []string `json:"count_status,omitempty"`
-
-	// Cost is how many units of each limit's quota a request spends: a
-	// whole number from 1 to 1000000000, or a placeholder evaluated per
-	// request (a value that is not such a number costs 1, and the first
-	// one is logged). A request that costs more than the quota left is
-	// refused and spends nothing. Default: 1.
-	Cost CostValue `json:"cost,omitempty"`
-
-	// Ban refuses a key that goes over a limit for this long from its
-	// first refusal, not only until its window resets; Retry-After and the
-	// quota headers say so. Bans are listed by the admin API
-	// (banned_until) and lifted by its unblock; in a Redis zone they hold
-	// on every instance. From 1s to 366 days. Default: no ban.
-	Ban caddy.Duration `json:"ban,omitempty"`
-
-	// BanMax escalates bans: each violation within a day of the key's
-	// previous one doubles its ban, up to BanMax (above Ban, at most 366
-	// days). Default: no escalation.
-	BanMax caddy.Duration `json:"ban_max,omitempty"`
-
-	// Burst is, with algorithm gcra, how many requests a key with a full
-	// bucket may send at once, from 1 to 1000000000. Default: Max.
-	Burst int `json:"burst,omitempty"`
+	// AbuseControls are count_status, cost, ban, ban_max and burst, for
+	// every limit of the handler that sets none of its own.
+	AbuseControls
 
 	// Delay makes a request that would be admitted within this long wait
 	// instead of being refused (nginx's limit_req delay), at most 1m. A
@@ -325,7 +296,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	sliding, gcra := rl.Algorithm == AlgorithmSliding, rl.Algorithm == AlgorithmGCRA
 	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding, GCRA: gcra}
 	rl.policies = []policy{newPolicy(rl.Zone, "", first, rl.Key, rl.Missing)}
-	rl.policies[0].setAbuse(rl.abuse())
+	rl.policies[0].setAbuse(rl.AbuseControls)
 	for _, l := range rl.Limits {
 		key := l.Key
 		if key == "" {
@@ -333,7 +304,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		}
 		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding, GCRA: gcra}
 		p := newPolicy(l.Name, l.Name, lim, key, l.Missing)
-		p.setAbuse(l.abuse(rl))
+		p.setAbuse(l.AbuseControls.over(rl.AbuseControls))
 		rl.policies = append(rl.policies, p)
 	}
 	rl.countStatus, rl.costs, rl.costWarned = false, false, new(atomic.Bool)
@@ -716,14 +687,14 @@ func (rl *RateLimit) isEnabled() bool {
 func (rl *RateLimit) sharedSettings() string {
 	limits := make([]string, len(rl.Limits))
 	for i, l := range rl.Limits {
-		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.abuse(rl).shared()
+		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.AbuseControls.over(rl.AbuseControls).shared()
 	}
 	algorithm := rl.Algorithm
 	if algorithm == "" {
 		algorithm = AlgorithmFixed
 	}
 	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t store=%s",
-		time.Duration(rl.Window), rl.Max, rl.abuse().shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
+		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
 }
 
 // validZoneName reports whether name is a usable zone name: it appears in

@@ -55,43 +55,10 @@ type LimitConfig struct {
 	// "anonymous"). Default: "ip".
 	Missing string `json:"missing,omitempty"`
 
-	// CountStatus, when set, replaces the handler's CountStatus in this
-	// limit; ["all"] counts every response. Default: the handler's.
-	CountStatus []string `json:"count_status,omitempty"`
-
-	// Cost, when set, replaces the handler's Cost in this limit.
-	// Default: the handler's.
-	Cost CostValue `json:"cost,omitempty"`
-
-	// Ban, when set, replaces the handler's Ban (and BanMax) in this
-	// limit. Default: the handler's.
-	Ban caddy.Duration `json:"ban,omitempty"`
-
-	// BanMax escalates this limit's Ban, as the handler's BanMax does.
-	BanMax caddy.Duration `json:"ban_max,omitempty"`
-
-	// Burst, when set, replaces the handler's Burst in this limit
-	// (algorithm gcra). Default: the handler's, or Max.
-	Burst int `json:"burst,omitempty"`
-}
-
-// abuse returns the limit's abuse controls, the handler's where the limit
-// sets none.
-func (l LimitConfig) abuse(rl *RateLimit) abuseSettings {
-	a := rl.abuse()
-	if len(l.CountStatus) > 0 {
-		a.countStatus = l.CountStatus
-	}
-	if l.Cost != "" {
-		a.cost = string(l.Cost)
-	}
-	if l.Ban != 0 || l.BanMax != 0 {
-		a.ban, a.banMax = time.Duration(l.Ban), time.Duration(l.BanMax)
-	}
-	if l.Burst != 0 {
-		a.burst = l.Burst
-	}
-	return a
+	// AbuseControls, where set, replace the handler's in this limit
+	// (count_status ["all"] counts every response). Default: the
+	// handler's.
+	AbuseControls
 }
 
 // policy is one limit as a handler runs it.
@@ -232,9 +199,9 @@ func (rl *RateLimit) checkLimits() []error {
 		if err := checkMissing(what+" missing", l.Missing); err != nil {
 			errs = append(errs, err)
 		}
-		errs = append(errs, checkAbuse(what, LimitConfig{CountStatus: l.CountStatus, Cost: l.Cost, Ban: l.Ban, BanMax: l.BanMax, Burst: l.Burst}.abuse(&RateLimit{}), rl.Algorithm)...)
+		errs = append(errs, l.AbuseControls.check(what, rl.Algorithm)...)
 	}
-	errs = append(errs, checkAbuse("", rl.abuse(), rl.Algorithm)...)
+	errs = append(errs, rl.AbuseControls.check("", rl.Algorithm)...)
 	if rl.Algorithm == AlgorithmGCRA {
 		if err := checkBucket("", rl.Max, time.Duration(rl.Window), rl.Burst); err != nil {
 			errs = append(errs, err)
@@ -377,12 +344,6 @@ func constraining(out []limiter.Verdict) int {
 	return best
 }
 
-// abuse returns the handler's abuse controls, which apply to every limit
-// that sets none of its own.
-func (rl *RateLimit) abuse() abuseSettings {
-	return abuseSettings{countStatus: rl.CountStatus, cost: string(rl.Cost), ban: time.Duration(rl.Ban), banMax: time.Duration(rl.BanMax), burst: rl.Burst}
-}
-
 // bans reports whether any limit of the handler bans.
 func (rl *RateLimit) bans() bool {
 	if rl.Ban != 0 {
@@ -397,11 +358,11 @@ func (rl *RateLimit) bans() bool {
 }
 
 // setAbuse applies a limit's abuse controls, checked already, to p.
-func (p *policy) setAbuse(a abuseSettings) {
-	p.countStatus, _ = parseStatusRanges("count_status", a.countStatus)
-	p.setCost(a.cost)
-	p.check.Limit.Ban, p.check.Limit.BanMax = a.ban, a.banMax
-	p.check.Limit.Burst = a.burst
+func (p *policy) setAbuse(a AbuseControls) {
+	p.countStatus, _ = parseStatusRanges("count_status", a.CountStatus)
+	p.setCost(string(a.Cost))
+	p.check.Limit.Ban, p.check.Limit.BanMax = time.Duration(a.Ban), time.Duration(a.BanMax)
+	p.check.Limit.Burst = a.Burst
 }
 
 // checkBucket checks that a GCRA bucket of burst requests (0: max), one
