@@ -396,13 +396,6 @@ func (wr *waitRoom) leave(key string) {
 	}
 }
 
-// waiting returns how many requests wait.
-func (wr *waitRoom) waiting() int {
-	wr.mu.Lock()
-	defer wr.mu.Unlock()
-	return wr.total
-}
-
 // delayed makes a refused request wait, when every refusing limit admits
 // again within the delay and the wait room has a place for its key, then
 // decides it again at *now, which it moves to the new decision's time. It

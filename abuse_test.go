@@ -14,14 +14,14 @@ func TestWaitRoomBounds(t *testing.T) {
 		}
 	}
 	wr.leave("a")
-	if !wr.enter("c") || wr.waiting() != 3 {
-		t.Fatalf("after a left: c refused or %d waiting, want c in and 3 waiting", wr.waiting())
+	if !wr.enter("c") || wr.total != 3 {
+		t.Fatalf("after a left: c refused or %d waiting, want c in and 3 waiting", wr.total)
 	}
 	for _, k := range []string{"a", "b", "c"} {
 		wr.leave(k)
 	}
-	if wr.waiting() != 0 || len(wr.byKey) != 0 {
-		t.Fatalf("after all left: %d waiting, %d keys held, want none", wr.waiting(), len(wr.byKey))
+	if wr.total != 0 || len(wr.byKey) != 0 {
+		t.Fatalf("after all left: %d waiting, %d keys held, want none", wr.total, len(wr.byKey))
 	}
 }
 

@@ -210,11 +210,9 @@ type RateLimit struct {
 	policies []policy // the first limit, then Limits
 	// countStatus is set when a limit counts by response status.
 	countStatus bool
-	// costs is set when a limit's cost is a placeholder.
-	costs      bool
-	costWarned *atomic.Bool // set once a bad cost value has been logged
-	waitRoom   *waitRoom    // nil without delay
-	inFlight   *inFlight    // nil unless a limit counts by status and bans
+	costWarned  *atomic.Bool // set once a bad cost value has been logged
+	waitRoom    *waitRoom    // nil without delay
+	inFlight    *inFlight    // nil unless a limit counts by status and bans
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
@@ -307,10 +305,9 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		p.setAbuse(l.AbuseControls.over(rl.AbuseControls))
 		rl.policies = append(rl.policies, p)
 	}
-	rl.countStatus, rl.costs, rl.costWarned = false, false, new(atomic.Bool)
+	rl.countStatus, rl.costWarned = false, new(atomic.Bool)
 	for i := range rl.policies {
 		rl.countStatus = rl.countStatus || rl.policies[i].countStatus != nil
-		rl.costs = rl.costs || rl.policies[i].costKey != ""
 	}
 	rl.inFlight = nil
 	for i := range rl.policies {
@@ -443,16 +440,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	now := time.Now()
 	if err := rl.zone.store.Decide(r.Context(), checks[:n], now, out[:n]); err != nil {
-		err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
-		if r.Context().Err() != nil {
-			// The client went away while the store decided: no fault of
-			// the store, and no one to answer. 499 is what Caddy's
-			// reverse proxy reports for a client that closed the request.
-			return caddyhttp.Error(statusClientClosedRequest, err)
-		}
-		rl.zone.count(resultDegradedDenied)
-		w.Header().Set("Retry-After", "1")
-		return caddyhttp.Error(http.StatusServiceUnavailable, err)
+		return rl.undecided(w, r, err)
 	}
 	allowed := true
 	for i := range n {
@@ -462,12 +450,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if !allowed && rl.waitRoom != nil && !rl.DryRun {
 		var err error
 		if allowed, err = rl.delayed(r, d, n, &now); err != nil {
-			if errors.Is(err, errClientGone) || r.Context().Err() != nil {
-				return caddyhttp.Error(statusClientClosedRequest, err)
-			}
-			rl.zone.count(resultDegradedDenied)
-			w.Header().Set("Retry-After", "1")
-			return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: %w", rl.Zone, err))
+			return rl.undecided(w, r, err)
 		}
 		delayed = allowed
 	}
@@ -525,6 +508,20 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// take a stack trace for every refused request of a flood. handle_errors
 	// renders it all the same ({http.error.id} is empty).
 	return rl.refusal
+}
+
+// undecided answers a request the store could not decide: 499 when the
+// client went away meanwhile (no fault of the store, and no one to answer;
+// it is what Caddy's reverse proxy reports for a closed request), else 503
+// with Retry-After, counted as degraded_denied.
+func (rl *RateLimit) undecided(w http.ResponseWriter, r *http.Request, err error) error {
+	err = fmt.Errorf("rate limit zone %q: %w", rl.Zone, err)
+	if r.Context().Err() != nil {
+		return caddyhttp.Error(statusClientClosedRequest, err)
+	}
+	rl.zone.count(resultDegradedDenied)
+	w.Header().Set("Retry-After", "1")
+	return caddyhttp.Error(http.StatusServiceUnavailable, err)
 }
 
 // decision is the scratch space of one request's decision.
