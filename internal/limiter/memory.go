@@ -248,6 +248,9 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		switch {
 		case allowed:
 			e.spend(t, c)
+			if c.Limit.GCRA {
+				out[i].Reset = time.Unix(0, e.reset) // the bucket after this request
+			}
 		case !out[i].Allowed:
 			if e.refused < math.MaxInt32 {
 				e.refused++
@@ -259,7 +262,7 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 			if c.Limit.Ban > 0 {
 				// A violation: the count refuses a request of one unit
 				// (a costly request that does not fit is no violation).
-				if bannedUntil[i] == 0 && !c.NoBan && !countOK[i] && !e.admits(t, &Check{Limit: c.Limit}) {
+				if bannedUntil[i] == 0 && !c.NoBan && !e.admits(t, &Check{Limit: c.Limit}) {
 					bannedUntil[i] = s.ban(idx[i], c, t)
 				}
 				if bannedUntil[i] > t {
@@ -268,9 +271,6 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 					out[i].Reset = time.Unix(0, t+int64(out[i].RetryAfter))
 				}
 			}
-		}
-		if allowed && c.Limit.GCRA {
-			out[i].Reset = time.Unix(0, e.reset) // the bucket after this request
 		}
 		out[i].Remaining = e.remaining(t, c)
 		if bannedUntil[i] > t {

@@ -413,9 +413,9 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 
 // release gives back what the checks of each group spent (each group's
 // keys share a slot). verdicts, when given, are the checks' admitted
-// verdicts: a GCRA bucket then gets back only what has not dripped back
-// since (see gcraBack); without them, all of it (a reservation given back at
-// once). now is when, for gcraBack. It runs even when the decision's own deadline has passed (a slow
+// verdicts: a GCRA bucket then gets back only what has not dripped back by
+// now (gcraBack); without them, all of it (a reservation given back at
+// once). It runs even when the decision's own deadline has passed (a slow
 // slot is why a decision fails), with a deadline of its own. A failure is
 // logged: the counts then stand until their windows end.
 func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int, verdicts []Verdict, now time.Time) {
