@@ -262,15 +262,17 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	t := now.UnixNano()
 	var resets [MaxChecks]int64
 	cached := false
-	for i, c := range checks {
-		if reset, ok := s.refused.get(cacheKey(c.Name, c.Key), t, c.Limit); ok {
+	for i := range checks {
+		c := &checks[i]
+		if reset, ok := s.refused.get(cacheKey(c.Name, c.Key), t, &c.Limit); ok {
 			resets[i], cached = reset, true
 		}
 	}
 	if cached {
 		// Limits known to refuse: so is the request, with no round trip.
 		// The others were not asked; their verdicts say only that.
-		for i, c := range checks {
+		for i := range checks {
+			c := &checks[i]
 			out[i] = Verdict{Allowed: true, Max: c.Limit.Max, Remaining: c.Limit.Max, Reset: now.Add(c.Limit.Window)}
 			if r := resets[i]; r != 0 {
 				out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, r), RetryAfter: time.Duration(r - t)}
@@ -292,7 +294,8 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 		return s.fallback(ctx, checks, now, out, err)
 	}
 	s.succeeded()
-	for i, c := range checks {
+	for i := range checks {
+		c := &checks[i]
 		if !out[i].Allowed && c.cost() == 1 {
 			// Cached until a request fits again: the window's end, or
 			// for a sliding window when the previous count has faded
@@ -1360,7 +1363,7 @@ func (c *refusedCache) shard(key string) *refusedShard {
 
 // get returns the reset time of key if it is known to be over limit at t,
 // and then counts one refusal for drain.
-func (c *refusedCache) get(key string, t int64, limit Limit) (int64, bool) {
+func (c *refusedCache) get(key string, t int64, limit *Limit) (int64, bool) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()

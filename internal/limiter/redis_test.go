@@ -277,11 +277,11 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 	for i := range keys {
 		k := fmt.Sprintf("10.2.%d.%d", i/256, i%256)
 		s.refused.put(k, now.Add(10*time.Second).UnixNano(), 1, now.UnixNano())
-		s.refused.get(k, now.UnixNano(), lim)
-		s.refused.get(k, now.UnixNano(), lim)
+		s.refused.get(k, now.UnixNano(), &lim)
+		s.refused.get(k, now.UnixNano(), &lim)
 	}
 	s.refused.put("gone", now.Add(time.Second).UnixNano(), 1, now.UnixNano())
-	s.refused.get("gone", now.UnixNano(), lim)
+	s.refused.get("gone", now.UnixNano(), &lim)
 	if srv.Kind == redistest.KindReal {
 		if err := client.ConfigResetStat(ctx).Err(); err != nil {
 			t.Fatal(err)
