@@ -22,7 +22,7 @@ func TestEdgeBanSlotsHeldByStrikes(t *testing.T) {
 	victim := Check{Key: "203.0.113.77", Limit: lim}
 	decide(t, s, later, victim)
 	decide(t, s, later, victim)
-	sh := &s.shards[s.shardIndex(victim.Key, 0)]
+	sh := &s.shards[s.hash(victim.Key, 0)&s.mask]
 	sh.mu.Lock()
 	_, banned := sh.bans[0][victim.Key]
 	sh.mu.Unlock()

@@ -30,6 +30,7 @@ type MemoryStore struct {
 	tracked    atomic.Int64
 	banned     atomic.Int64 // ban entries, at most maxTracked
 	evictions  atomic.Uint64
+	mapped     atomic.Int64 // bytes of the shards' inline tables
 	purging    atomic.Bool
 	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
 	purgeEvery time.Duration // least time between two purges made for room
@@ -81,14 +82,52 @@ var _ [1<<slotBits - MaxChecks]struct{}
 // slot returns the slot of the entry the item records.
 func (it orderItem) slot() int { return int(it.seq & (1<<slotBits - 1)) }
 
+// memShard holds the windows of the keys that hash to it: short keys in its
+// inline table, longer ones in a map per limit slot with their insertion
+// order beside. Both share one insertion seq, so that eviction takes the
+// oldest of either.
 type memShard struct {
 	mu      sync.Mutex
-	entries [MaxChecks]map[string]memEntry // by limit slot; nil until used
+	short   inlineTable                    // keys of at most inlineMax bytes, of every slot
+	entries [MaxChecks]map[string]memEntry // longer keys by limit slot; nil until used
 	bans    [MaxChecks]map[string]banEntry // banned keys by limit slot; nil until used
-	order   []orderItem                    // insertion order; live items start at head
+	order   []orderItem                    // insertion order of entries; live items start at head
 	head    int
 	seq     uint64
 	_       [64]byte // keep neighbouring shards' locks off one cache line
+}
+
+// find returns key's window in slot and where it is (for put and remove):
+// a slot of the inline table, or -1 for the slot's map. h is the key's hash
+// in slot (MemoryStore.hash).
+func (sh *memShard) find(h uint64, slot int, key string) (e memEntry, at int, ok bool) {
+	if k, short := packKey(slot, key); short {
+		at, ok = sh.short.find(uint32(h>>32), &k)
+		if ok {
+			e = sh.short.slots[at].entry()
+		}
+		return e, at, ok
+	}
+	e, ok = sh.entries[slot][key]
+	return e, -1, ok
+}
+
+// put writes back the window of a key that find found at at.
+func (sh *memShard) put(at, slot int, key string, e *memEntry) {
+	if at >= 0 {
+		sh.short.slots[at].set(e)
+		return
+	}
+	sh.entries[slot][key] = *e
+}
+
+// remove deletes a key that find found at at.
+func (sh *memShard) remove(at, slot int, key string) {
+	if at >= 0 {
+		sh.short.remove(at)
+		return
+	}
+	delete(sh.entries[slot], key)
 }
 
 // NewMemoryStore returns a MemoryStore that tracks at most maxTracked keys
@@ -146,6 +185,13 @@ func (s *MemoryStore) ClearSlot(slot int) {
 		} else {
 			sh.entries[slot] = nil
 		}
+		for j := range sh.short.slots {
+			if k := &sh.short.slots[j].key; k.live() && k.slot() == slot {
+				sh.short.remove(j)
+				n++
+			}
+		}
+		s.tidy(sh)
 		nb := len(sh.bans[slot])
 		sh.bans[slot] = nil
 		sh.compact()
@@ -165,8 +211,10 @@ func (s *MemoryStore) Evictions() uint64 { return s.evictions.Load() }
 // slotSalts spread one key's limits over different shards.
 var slotSalts = [MaxChecks]uint64{0, 0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb, 0x2545f4914f6cdd1d, 0x853c49e6748fea9b, 0xda942042e4dd58b5, 0xa0761d6478bd642f}
 
-func (s *MemoryStore) shardIndex(key string, slot int) uint64 {
-	return (maphash.String(s.seed, key) ^ slotSalts[slot]) & s.mask
+// hash returns key's hash in slot; its low bits pick the shard, its high
+// bits the place in the shard's inline table.
+func (s *MemoryStore) hash(key string, slot int) uint64 {
+	return maphash.String(s.seed, key) ^ slotSalts[slot]
 }
 
 // Hit implements Store. It never returns an error.
@@ -185,24 +233,26 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 	if n > MaxChecks || len(out) < n {
 		return fmt.Errorf("memory store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
-	var idx, locks [MaxChecks]uint64
+	var hs, idx, locks [MaxChecks]uint64
 	for i := range checks {
 		c := &checks[i]
 		if c.Slot < 0 || c.Slot >= MaxChecks {
 			return fmt.Errorf("memory store: check slot %d out of range", c.Slot)
 		}
-		idx[i] = s.shardIndex(c.Key, c.Slot)
+		hs[i] = s.hash(c.Key, c.Slot)
+		idx[i] = hs[i] & s.mask
 	}
 	nl := sortedUnique(idx[:n], locks[:])
 	t := now.UnixNano()
 
 	var es [MaxChecks]memEntry
 	var found [MaxChecks]bool
+	var at [MaxChecks]int
 	s.lockShards(locks[:nl])
 	missing := false
 	for i := range checks {
 		c := &checks[i]
-		es[i], found[i] = s.shards[idx[i]].entries[c.Slot][c.Key]
+		es[i], at[i], found[i] = s.shards[idx[i]].find(hs[i], c.Slot, c.Key)
 		missing = missing || !found[i]
 	}
 	if missing && s.full() {
@@ -212,7 +262,7 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		s.lockShards(locks[:nl])
 		for i := range checks {
 			c := &checks[i]
-			es[i], found[i] = s.shards[idx[i]].entries[c.Slot][c.Key]
+			es[i], at[i], found[i] = s.shards[idx[i]].find(hs[i], c.Slot, c.Key)
 		}
 	}
 
@@ -278,8 +328,8 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		}
 		if found[i] {
 			// Written back before any insertion below, which is what may
-			// evict: the key is still in its map.
-			s.shards[idx[i]].entries[c.Slot][c.Key] = *e
+			// evict or move it: the key is still where find found it.
+			s.shards[idx[i]].put(at[i], c.Slot, c.Key, e)
 		}
 	}
 	for i := range checks {
@@ -287,30 +337,35 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		// A new key that counted nothing (another limit refused the
 		// request) is not tracked: it would only take room.
 		if !found[i] && (es[i].count > 0 || es[i].refused > 0 || (c.Limit.GCRA && es[i].reset > t)) {
-			s.insert(idx[i], c, &es[i])
+			s.insert(hs[i], c, &es[i])
 		}
 	}
 	s.unlockShards(locks[:nl])
 	return nil
 }
 
-// insert adds e as key's entry in shard idx, evicting to make room when the
-// store is full. The caller holds the lock.
-func (s *MemoryStore) insert(idx uint64, c *Check, e *memEntry) {
+// insert adds e as the entry of the check's key, whose hash is h, evicting
+// to make room when the store is full. The caller holds the shard's lock.
+func (s *MemoryStore) insert(h uint64, c *Check, e *memEntry) {
+	idx := h & s.mask
 	sh := &s.shards[idx]
+	for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
+	}
+	sh.seq++
+	s.tracked.Add(1)
+	if k, short := packKey(c.Slot, c.Key); short {
+		s.mapped.Add(sh.short.add(uint32(h>>32), &k, e, uint32(sh.seq)))
+		return
+	}
 	m := sh.entries[c.Slot]
 	if m == nil {
 		m = make(map[string]memEntry)
 		sh.entries[c.Slot] = m
 	}
 	key := strings.Clone(c.Key) // never pin the request's memory in the map
-	for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
-	}
-	sh.seq++
 	e.seq = sh.seq<<slotBits | uint64(c.Slot)
 	m[key] = *e
 	sh.order = append(sh.order, orderItem{key: key, seq: e.seq})
-	s.tracked.Add(1)
 }
 
 // roll moves the entry to the window holding t: a fixed window that has
@@ -475,9 +530,10 @@ func (s *MemoryStore) Refund(_ context.Context, checks []Check, now time.Time, v
 		if i >= len(verdicts) || !verdicts[i].Allowed || c.Slot < 0 || c.Slot >= MaxChecks {
 			continue
 		}
-		sh := &s.shards[s.shardIndex(c.Key, c.Slot)]
+		h := s.hash(c.Key, c.Slot)
+		sh := &s.shards[h&s.mask]
 		sh.mu.Lock()
-		if e, ok := sh.entries[c.Slot][c.Key]; ok {
+		if e, at, ok := sh.find(h, c.Slot, c.Key); ok {
 			switch {
 			case c.Limit.GCRA:
 				// Only what has not dripped back yet: the request's
@@ -486,7 +542,7 @@ func (s *MemoryStore) Refund(_ context.Context, checks []Check, now time.Time, v
 			case e.reset == verdicts[i].Reset.UnixNano(): // the same window
 				e.count = int32(max(int64(e.count)-c.cost(), 0))
 			}
-			sh.entries[c.Slot][c.Key] = e
+			sh.put(at, c.Slot, c.Key, &e)
 		}
 		sh.mu.Unlock()
 	}
@@ -540,23 +596,37 @@ func (s *MemoryStore) purgeForRoom(t int64) {
 	s.Sweep(time.Unix(0, t))
 }
 
-// evictOldest evicts the shard's oldest inserted key and reports whether
-// there was one. The caller holds sh.mu.
+// evictOldest evicts the shard's oldest inserted key, short or long, and
+// reports whether there was one. The caller holds sh.mu.
 func (sh *memShard) evictOldest(s *MemoryStore) bool {
+	long := false
+	var it orderItem
 	for sh.head < len(sh.order) {
-		it := sh.order[sh.head]
+		it = sh.order[sh.head]
+		if e, ok := sh.entries[it.slot()][it.key]; ok && e.seq == it.seq {
+			long = true
+			break
+		}
 		sh.order[sh.head] = orderItem{}
 		sh.head++
-		if e, ok := sh.entries[it.slot()][it.key]; ok && e.seq == it.seq {
-			delete(sh.entries[it.slot()], it.key)
-			s.tracked.Add(-1)
-			s.evictions.Add(1)
-			sh.compact()
-			return true
-		}
 	}
-	sh.compact()
-	return false
+	at, seq, short := sh.short.oldest()
+	switch {
+	// Seqs compare by their low 32 bits, as the inline table keeps them.
+	case short && (!long || int32(seq-uint32(it.seq>>slotBits)) < 0):
+		sh.short.remove(at)
+	case long:
+		sh.order[sh.head] = orderItem{}
+		sh.head++
+		delete(sh.entries[it.slot()], it.key)
+		sh.compact()
+	default:
+		sh.compact()
+		return false
+	}
+	s.tracked.Add(-1)
+	s.evictions.Add(1)
+	return true
 }
 
 // evictElsewhere evicts the oldest key of another shard, for a new key whose
@@ -579,7 +649,7 @@ func (s *MemoryStore) evictElsewhere(idx uint64) bool {
 
 // purge deletes every expired window of the shard and returns how many it
 // deleted. The caller holds sh.mu.
-func (sh *memShard) purge(t int64) int {
+func (s *MemoryStore) purge(sh *memShard, t int64) int {
 	n := 0
 	for _, m := range sh.entries {
 		for k, e := range m {
@@ -592,7 +662,28 @@ func (sh *memShard) purge(t int64) int {
 	if n > 0 {
 		sh.compact()
 	}
+	for i := range sh.short.slots {
+		if sl := &sh.short.slots[i]; sl.key.live() && t >= sl.entry().expires() {
+			sh.short.remove(i)
+			n++
+		}
+	}
+	s.tidy(sh)
 	return n
+}
+
+// tidy rebuilds the shard's inline table when deleted slots lengthen its
+// probes or it holds far more room than keys, and frees it when empty. The
+// caller holds sh.mu.
+func (s *MemoryStore) tidy(sh *memShard) {
+	t := &sh.short
+	if n := len(t.slots); n > 0 && (t.live == 0 || (t.used-t.live)*4 > n || (n > 4*minInlineSz && t.live*4 < n)) {
+		size := 0
+		if t.live > 0 {
+			size = max(minInlineSz, t.live*100/growLoad)
+		}
+		s.mapped.Add(t.rehash(size))
+	}
 }
 
 // compact drops consumed and stale insertion records once they outnumber the
@@ -629,6 +720,15 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 	names = s.names
 	s.namesMu.Unlock()
 	var batch []KeyState
+	listed := func(sh *memShard, slot int, k string, e memEntry) {
+		if t < e.reset {
+			ks := KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot]}
+			if b, ok := sh.bans[slot][k]; ok && b.until > t {
+				ks.BannedUntil = time.Unix(0, b.until)
+			}
+			batch = append(batch, ks)
+		}
+	}
 	for i := range s.shards {
 		if err := ctx.Err(); err != nil {
 			return err
@@ -638,20 +738,19 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 		sh.mu.Lock()
 		for slot, m := range sh.entries {
 			for k, e := range m {
-				if t < e.reset {
-					ks := KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot]}
-					if b, ok := sh.bans[slot][k]; ok && b.until > t {
-						ks.BannedUntil = time.Unix(0, b.until)
-					}
-					batch = append(batch, ks)
-				}
+				listed(sh, slot, k, e)
+			}
+		}
+		for j := range sh.short.slots {
+			if sl := &sh.short.slots[j]; sl.key.live() {
+				listed(sh, sl.key.slot(), sl.key.String(), sl.entry())
 			}
 		}
 		for slot, m := range sh.bans {
 			for k, b := range m {
 				// A ban outlives its window: listed on its own once the
 				// window has ended.
-				if e, ok := sh.entries[slot][k]; b.until > t && (!ok || t >= e.reset) {
+				if e, _, ok := sh.find(s.hash(k, slot), slot, k); b.until > t && (!ok || t >= e.reset) {
 					batch = append(batch, KeyState{Key: k, Reset: time.Unix(0, b.until), BannedUntil: time.Unix(0, b.until), Name: names[slot]})
 				}
 			}
@@ -682,11 +781,12 @@ func (s *MemoryStore) ForgetCheck(_ context.Context, c Check) (bool, error) {
 	if c.Slot < 0 || c.Slot >= MaxChecks {
 		return false, nil
 	}
-	sh := &s.shards[s.shardIndex(c.Key, c.Slot)]
+	h := s.hash(c.Key, c.Slot)
+	sh := &s.shards[h&s.mask]
 	sh.mu.Lock()
-	_, ok := sh.entries[c.Slot][c.Key]
+	_, at, ok := sh.find(h, c.Slot, c.Key)
 	if ok {
-		delete(sh.entries[c.Slot], c.Key)
+		sh.remove(at, c.Slot, c.Key)
 		s.tracked.Add(-1)
 	}
 	if _, banned := sh.bans[c.Slot][c.Key]; banned {
@@ -712,6 +812,11 @@ func (s *MemoryStore) CutWindows(slot int, cutoff time.Time) {
 				m[k] = e
 			}
 		}
+		for j := range sh.short.slots {
+			if sl := &sh.short.slots[j]; sl.key.live() && sl.key.slot() == slot && sl.reset > c {
+				sl.reset = c
+			}
+		}
 		sh.mu.Unlock()
 	}
 }
@@ -724,7 +829,7 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		n := sh.purge(t)
+		n := s.purge(sh, t)
 		sh.purgeBans(s, t, false)
 		sh.compact()
 		sh.mu.Unlock()

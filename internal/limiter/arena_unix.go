@@ -1,0 +1,18 @@
+//go:build linux || darwin || freebsd || netbsd || openbsd || dragonfly
+
+package limiter
+
+import "syscall"
+
+// mapArena maps size bytes of zeroed anonymous memory, or falls back to
+// the Go heap; it reports whether the memory is mapped.
+func mapArena(size int) ([]byte, bool) {
+	b, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		return make([]byte, size), false
+	}
+	return b, true
+}
+
+// unmapArena unmaps memory mapArena mapped.
+func unmapArena(b []byte) { _ = syscall.Munmap(b) }
