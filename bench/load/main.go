@@ -41,6 +41,7 @@ type scenario struct {
 	name    string
 	limit   string // the rate_limit block, with $REDIS for the redis-server's address
 	clients int    // distinct X-Client values (bench/clients.lua); 0: one client, no header
+	xff     bool   // send the clients as IPv4 addresses in X-Forwarded-For, trusted from loopback (both builds)
 	redis   bool
 }
 
@@ -50,6 +51,8 @@ var scenarios = []scenario{
 	{name: "refused, one client flooding", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1\n\t}"},
 	{name: "admitted, 100000 clients", clients: 100_000,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"},
+	{name: "admitted, 1000000 IPv4 clients", clients: 1_000_000, xff: true,
+		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 1100000\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline on", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline on\n\t\t}\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
@@ -163,11 +166,16 @@ func selected(name, only string) bool {
 func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Duration) result {
 	port := freePort()
 	mark := strconv.FormatInt(time.Now().UnixNano(), 36)
+	servers := ""
+	if sc.xff {
+		servers = "servers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t\tclient_ip_headers X-Forwarded-For\n\t}"
+	}
 	cfg := fmt.Sprintf(`{
 	admin off
 	auto_https off
 	persist_config off
 	grace_period 1s
+	%s
 }
 
 http://127.0.0.1:%d {
@@ -175,7 +183,7 @@ http://127.0.0.1:%d {
 	%s
 	respond "ok"
 }
-`, port, mark, block)
+`, servers, port, mark, block)
 	path := filepath.Join(dir, "Caddyfile")
 	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
 		log.Fatal(err)
@@ -199,12 +207,21 @@ http://127.0.0.1:%d {
 		args = append(args, "-s", lua)
 	}
 	env := append(os.Environ(), fmt.Sprintf("CLIENTS=%d", max(sc.clients, 1)))
-	wrk(append(args, "-d1s", base), env) // warm up
+	if sc.xff {
+		env = append(env, "HEADER=X-Forwarded-For")
+	}
+	// Warm up; with many clients, long enough (at 40,000 req/s or more)
+	// that every client is tracked before the measured run.
+	warm := max(time.Second, time.Duration(sc.clients/40_000)*time.Second)
+	warmed := parseRequests(wrk(append(args, fmt.Sprintf("-d%s", warm), base), env))
 	cpu0 := cpuTicks(cmd.Process.Pid)
 	out := wrk(append(args, fmt.Sprintf("-d%s", d), base), env)
 	cpu1 := cpuTicks(cmd.Process.Pid)
 	r := parseWrk(out)
 	reqs := parseRequests(out)
+	if sc.clients > 0 && warmed+reqs < sc.clients {
+		log.Printf("%s: only %d requests, fewer than the %d clients: not every client was tracked", sc.name, warmed+reqs, sc.clients)
+	}
 	if reqs > 0 {
 		r.cpuPerReq = float64(cpu1-cpu0) / clockTicks * 1e6 / float64(reqs)
 	}

@@ -233,13 +233,18 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 	if n > MaxChecks || len(out) < n {
 		return fmt.Errorf("memory store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
-	var hs, idx, locks [MaxChecks]uint64
 	for i := range checks {
-		c := &checks[i]
-		if c.Slot < 0 || c.Slot >= MaxChecks {
+		if c := &checks[i]; c.Slot < 0 || c.Slot >= MaxChecks {
 			return fmt.Errorf("memory store: check slot %d out of range", c.Slot)
 		}
-		hs[i] = s.hash(c.Key, c.Slot)
+	}
+	if n == 1 {
+		s.decideOne(&checks[0], now.UnixNano(), &out[0])
+		return nil
+	}
+	var hs, idx, locks [MaxChecks]uint64
+	for i := range checks {
+		hs[i] = s.hash(checks[i].Key, checks[i].Slot)
 		idx[i] = hs[i] & s.mask
 	}
 	nl := sortedUnique(idx[:n], locks[:])
@@ -267,81 +272,126 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 	}
 
 	allowed := true
-	var bannedUntil [MaxChecks]int64
-	var countOK [MaxChecks]bool
+	var js [MaxChecks]judgement
 	for i := range checks {
-		c := &checks[i]
-		e := &es[i]
-		switch {
-		case !found[i]:
-			*e = memEntry{reset: t + int64(c.Limit.Window)}
-			if c.Limit.GCRA {
-				e.reset = t // a full bucket
-			} else if c.Limit.Sliding {
-				e.span = int32(c.Limit.Window / time.Second)
-			}
-		case !c.Limit.GCRA:
-			e.roll(t, &c.Limit)
-		}
-		if c.Limit.Ban > 0 {
-			if b, ok := s.shards[idx[i]].bans[c.Slot][c.Key]; ok && b.until > t {
-				bannedUntil[i] = b.until
-			}
-		}
-		countOK[i] = e.admits(t, c)
-		out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: bannedUntil[i] == 0 && countOK[i]}
+		js[i] = s.judge(&s.shards[idx[i]], &checks[i], &es[i], found[i], t, &out[i])
 		allowed = allowed && out[i].Allowed
 	}
 	for i := range checks {
 		c := &checks[i]
-		e := &es[i]
-		switch {
-		case allowed:
-			e.spend(t, c)
-			if c.Limit.GCRA {
-				out[i].Reset = time.Unix(0, e.reset) // the bucket after this request
-			}
-		case !out[i].Allowed:
-			if e.refused < math.MaxInt32 {
-				e.refused++
-			}
-			out[i].FirstRefusal = e.refused == 1
-			if !countOK[i] {
-				out[i].RetryAfter = e.wait(t, c)
-			}
-			if c.Limit.Ban > 0 {
-				// A violation: the count refuses a request of one unit
-				// (a costly request that does not fit is no violation).
-				if bannedUntil[i] == 0 && !c.NoBan && !e.admits(t, &Check{Limit: c.Limit}) {
-					bannedUntil[i] = s.ban(idx[i], c, t)
-				}
-				if bannedUntil[i] > t {
-					// Refused until the ban ends, and the window admits.
-					out[i].RetryAfter = max(out[i].RetryAfter, time.Duration(bannedUntil[i]-t))
-					out[i].Reset = time.Unix(0, t+int64(out[i].RetryAfter))
-				}
-			}
-		}
-		out[i].Remaining = e.remaining(t, c)
-		if bannedUntil[i] > t {
-			out[i].Remaining = 0
-		}
+		s.settle(idx[i], c, &es[i], t, allowed, js[i], &out[i])
 		if found[i] {
 			// Written back before any insertion below, which is what may
 			// evict or move it: the key is still where find found it.
-			s.shards[idx[i]].put(at[i], c.Slot, c.Key, e)
+			s.shards[idx[i]].put(at[i], c.Slot, c.Key, &es[i])
 		}
 	}
 	for i := range checks {
-		c := &checks[i]
-		// A new key that counted nothing (another limit refused the
-		// request) is not tracked: it would only take room.
-		if !found[i] && (es[i].count > 0 || es[i].refused > 0 || (c.Limit.GCRA && es[i].reset > t)) {
-			s.insert(hs[i], c, &es[i])
+		if !found[i] && tracks(&checks[i], &es[i], t) {
+			s.insert(hs[i], &checks[i], &es[i])
 		}
 	}
 	s.unlockShards(locks[:nl])
 	return nil
+}
+
+// decideOne is Decide for one check, the common case: one shard, one lock,
+// and none of the arrays a decision over several limits needs.
+func (s *MemoryStore) decideOne(c *Check, t int64, out *Verdict) {
+	h := s.hash(c.Key, c.Slot)
+	idx := h & s.mask
+	sh := &s.shards[idx]
+	sh.mu.Lock()
+	e, at, found := sh.find(h, c.Slot, c.Key)
+	if !found && s.full() {
+		sh.mu.Unlock() // purging scans every shard, with no lock held
+		s.purgeForRoom(t)
+		sh.mu.Lock()
+		e, at, found = sh.find(h, c.Slot, c.Key)
+	}
+	j := s.judge(sh, c, &e, found, t, out)
+	s.settle(idx, c, &e, t, out.Allowed, j, out)
+	if found {
+		sh.put(at, c.Slot, c.Key, &e)
+	} else if tracks(c, &e, t) {
+		s.insert(h, c, &e)
+	}
+	sh.mu.Unlock()
+}
+
+// judgement is what judge found of one check, for settle.
+type judgement struct {
+	countOK     bool  // the window admits the request
+	bannedUntil int64 // the key's ban in the limit ends then; 0 for none
+}
+
+// judge brings the check's entry (a new one when not found) to t and
+// writes whether it admits the request to out. The caller holds the lock
+// of shard sh.
+func (s *MemoryStore) judge(sh *memShard, c *Check, e *memEntry, found bool, t int64, out *Verdict) judgement {
+	switch {
+	case !found:
+		*e = memEntry{reset: t + int64(c.Limit.Window)}
+		if c.Limit.GCRA {
+			e.reset = t // a full bucket
+		} else if c.Limit.Sliding {
+			e.span = int32(c.Limit.Window / time.Second)
+		}
+	case !c.Limit.GCRA:
+		e.roll(t, &c.Limit)
+	}
+	var j judgement
+	if c.Limit.Ban > 0 {
+		if b, ok := sh.bans[c.Slot][c.Key]; ok && b.until > t {
+			j.bannedUntil = b.until
+		}
+	}
+	j.countOK = e.admits(t, c)
+	*out = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: j.bannedUntil == 0 && j.countOK}
+	return j
+}
+
+// settle counts the check's request in its entry: spent when the decision
+// (every check) admitted it, refused (and perhaps banned) when this check
+// refused it; and completes out. The caller holds shard idx's lock.
+func (s *MemoryStore) settle(idx uint64, c *Check, e *memEntry, t int64, allowed bool, j judgement, out *Verdict) {
+	switch {
+	case allowed:
+		e.spend(t, c)
+		if c.Limit.GCRA {
+			out.Reset = time.Unix(0, e.reset) // the bucket after this request
+		}
+	case !out.Allowed:
+		if e.refused < math.MaxInt32 {
+			e.refused++
+		}
+		out.FirstRefusal = e.refused == 1
+		if !j.countOK {
+			out.RetryAfter = e.wait(t, c)
+		}
+		if c.Limit.Ban > 0 {
+			// A violation: the count refuses a request of one unit
+			// (a costly request that does not fit is no violation).
+			if j.bannedUntil == 0 && !c.NoBan && !e.admits(t, &Check{Limit: c.Limit}) {
+				j.bannedUntil = s.ban(idx, c, t)
+			}
+			if j.bannedUntil > t {
+				// Refused until the ban ends, and the window admits.
+				out.RetryAfter = max(out.RetryAfter, time.Duration(j.bannedUntil-t))
+				out.Reset = time.Unix(0, t+int64(out.RetryAfter))
+			}
+		}
+	}
+	out.Remaining = e.remaining(t, c)
+	if j.bannedUntil > t {
+		out.Remaining = 0
+	}
+}
+
+// tracks reports whether a new key's entry is worth keeping: a new key that
+// counted nothing (another limit refused the request) would only take room.
+func tracks(c *Check, e *memEntry, t int64) bool {
+	return e.count > 0 || e.refused > 0 || (c.Limit.GCRA && e.reset > t)
 }
 
 // insert adds e as the entry of the check's key, whose hash is h, evicting
