@@ -93,8 +93,10 @@ type RateLimit struct {
 	Max int `json:"max,omitempty"`
 
 	// MaxTracked bounds the memory a zone uses: at most this many keys are
-	// tracked. When full, expired windows are purged first, then the keys
-	// tracked longest are evicted (FIFO). At least 1000. Default: 100000.
+	// tracked (a key of up to 15 bytes, such as an IPv4 address, takes 64
+	// to 90 bytes; see docs/benchmarks.md). When full, expired windows are
+	// purged first, then the keys tracked longest are evicted (FIFO). At
+	// least 1000. Default: 100000.
 	MaxTracked int `json:"max_tracked,omitempty"`
 
 	// Key is a placeholder that names the client, such as
@@ -461,13 +463,15 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	reset := bp.resetOf(ceilSeconds(v.Reset.UnixNano()))
 	rl.setHeaders(w.Header(), bp, v, reset, now)
 
-	repl.Set("http.rate_limit.zone", rl.policies[0].nameAny) // the first limit is named after the zone
-	repl.Set("http.rate_limit.policy", bp.nameAny)
-	repl.Set("http.rate_limit.key", key)
-	repl.Set("http.rate_limit.limit", bp.maxAny)
-	repl.Set("http.rate_limit.remaining", v.Remaining)
-	repl.Set("http.rate_limit.reset", reset.boxed)
-	repl.Set("http.rate_limit.exceeded", !allowed)
+	*requestVars(repl) = placeholders{
+		zone:      rl.policies[0].nameAny, // the first limit is named after the zone
+		policy:    bp.nameAny,
+		key:       key,
+		limit:     bp.maxAny,
+		remaining: v.Remaining,
+		reset:     reset.boxed,
+		exceeded:  !allowed,
+	}
 	if !allowed {
 		rl.refused(checks[:n], of[:n], out[:n])
 	}
@@ -508,6 +512,62 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// take a stack trace for every refused request of a flood. handle_errors
 	// renders it all the same ({http.error.id} is empty).
 	return rl.refusal
+}
+
+// placeholders are one request's {http.rate_limit.*} values. The replacer
+// asks for them only when a placeholder is used: setting seven values in its
+// map for every request (a lock and a map write each, two values boxed) cost
+// more than the decision.
+type placeholders struct {
+	zone, policy, limit, reset any // boxed once per limit
+	key                        string
+	remaining                  int
+	exceeded                   bool
+}
+
+// placeholdersKey names the request's placeholders in the replacer's static
+// values, where a second rate_limit handler on the same request finds them
+// (and overwrites them, so the last handler's values show, as they would
+// if each handler set them). No placeholder can name it: the NUL byte.
+const placeholdersKey = "rate_limit\x00placeholders"
+
+// requestVars returns the request's placeholders, registering them with the
+// replacer on the first call.
+func requestVars(repl *caddy.Replacer) *placeholders {
+	if v, ok := repl.Get(placeholdersKey); ok {
+		if p, ok := v.(*placeholders); ok {
+			return p
+		}
+	}
+	p := new(placeholders)
+	repl.Set(placeholdersKey, p)
+	repl.Map(p.replace)
+	return p
+}
+
+// replace is the placeholders' caddy.ReplacerFunc.
+func (p *placeholders) replace(key string) (any, bool) {
+	name, ok := strings.CutPrefix(key, "http.rate_limit.")
+	if !ok {
+		return nil, false
+	}
+	switch name {
+	case "zone":
+		return p.zone, true
+	case "policy":
+		return p.policy, true
+	case "key":
+		return p.key, true
+	case "limit":
+		return p.limit, true
+	case "remaining":
+		return p.remaining, true
+	case "reset":
+		return p.reset, true
+	case "exceeded":
+		return p.exceeded, true
+	}
+	return nil, false
 }
 
 // undecided answers a request the store could not decide: 499 when the

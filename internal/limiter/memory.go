@@ -17,10 +17,12 @@ import (
 // purges expired windows, then evicts the keys it inserted first (FIFO, kept
 // per shard: the oldest key of the shard that needs room goes).
 //
-// A Hit on a key already tracked is one hash, one shard lock and one map
-// lookup, and allocates nothing; a Decide over n limits takes the n shard
-// locks in ascending order, so that decisions never deadlock and each is
-// atomic. The zero value is not usable; call NewMemoryStore. A MemoryStore
+// A key of up to inlineMax bytes (every IPv4 address) is kept inline in the
+// shard's open-addressing table, outside the Go heap; a longer one in a Go
+// map. A Hit on a key already tracked is one hash, one shard lock and one
+// lookup, and allocates nothing, nor does tracking a new short key; a
+// Decide over n limits takes the n shard locks in ascending order, so that
+// decisions never deadlock and each is atomic. The zero value is not usable; call NewMemoryStore. A MemoryStore
 // is safe for concurrent use.
 type MemoryStore struct {
 	seed       maphash.Seed
