@@ -1,0 +1,78 @@
+package limiter
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// The lean script (redis_fixed.lua) against the general one (redis.lua) with
+// one fixed-window check that does not ban, on a real Redis: from the same
+// keys (none, a count in or over its window, one without an expiry, a GCRA
+// arrival time, a refused tally), with every cutoff and cost, both return the
+// same results and leave the same keys behind.
+func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
+	t.Parallel()
+	srv := redistest.StartReal(t, "the scripts' equivalence needs a real Redis")
+	ctx := context.Background()
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer client.Close()
+	r := rand.New(rand.NewPCG(7, 11))
+	// within reports whether two times to live, read a moment apart, agree.
+	within := func(a, b int64) bool { return a == b || (a > 0 && b > 0 && a-b < 200 && b-a < 200) }
+	for i := range 600 {
+		max, window := []int{1, 2, 5}[r.IntN(3)], []int64{1000, 5000}[r.IntN(2)]
+		cutoff := []int64{-1, 0, 500, 3000, 10_000}[r.IntN(5)]
+		cost := 1 + r.IntN(3)
+		count := []string{"", "0", "1", "4", "5", "6", "3000000000"}[r.IntN(7)]
+		ttl := []int64{0, 300, 2000, 8000}[r.IntN(4)] // 0: no expiry
+		refused := []string{"", "1", "7"}[r.IntN(3)]
+		var res [2][]int64
+		var state [2][4]int64
+		for side, script := range []*redis.Script{hitScript, fixedScript} {
+			base := fmt.Sprintf("{t%d-%d}:", i, side)
+			c, rk := base+"c", base+"r"
+			if count != "" {
+				client.Set(ctx, c, count, 0)
+				if ttl > 0 {
+					client.PExpire(ctx, c, time.Duration(ttl)*time.Millisecond)
+				}
+			}
+			if refused != "" {
+				client.Set(ctx, rk, refused, time.Duration(window)*time.Millisecond)
+			}
+			keys := []string{c, rk}
+			args := []any{max, window, cutoff, cost}
+			if script == hitScript {
+				keys = append(keys, base+"p")
+				args = []any{max, window, cutoff, 0, cost, 0, ""}
+			}
+			var err error
+			res[side], err = script.Run(ctx, client, keys, args...).Int64Slice()
+			if err != nil {
+				t.Fatalf("case %d, side %d: %v", i, side, err)
+			}
+			cv, _ := client.Get(ctx, c).Int64()
+			rv, _ := client.Get(ctx, rk).Int64()
+			pttl := func(k string) int64 { v, _ := client.Do(ctx, "PTTL", k).Int64(); return v }
+			state[side] = [4]int64{cv, pttl(c), rv, pttl(rk)}
+		}
+		a, b := res[0], res[1]
+		same := len(a) == 7 && len(b) == 7 && within(a[2], b[2])
+		for j := range min(len(a), len(b)) {
+			same = same && (j == 2 || a[j] == b[j])
+		}
+		same = same && state[0][0] == state[1][0] && state[0][2] == state[1][2] &&
+			within(state[0][1], state[1][1]) && within(state[0][3], state[1][3])
+		if !same {
+			t.Fatalf("case %d (max %d, window %d, cutoff %d, cost %d, count %q ttl %d, refused %q):\n general %v, keys %v\n fixed   %v, keys %v",
+				i, max, window, cutoff, cost, count, ttl, refused, a, state[0], b, state[1])
+		}
+	}
+}
