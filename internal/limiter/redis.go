@@ -157,6 +157,7 @@ type RedisStore struct {
 	timeout atomic.Int64 // time.Duration
 	// deadline is the context the decisions starting now share.
 	deadline atomic.Pointer[decisionDeadline]
+	boxed    atomic.Pointer[boxedLimit] // the last fixed limit's script arguments
 	onError  atomic.Pointer[string]
 	local    *MemoryStore // the on_error local fallback
 	refused  refusedCache
@@ -391,10 +392,7 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 	}
 	ctx = s.decisionCtx()
 	if fixedOne(checks) {
-		c := &checks[0]
-		base := s.base(c.Name, s.tag(c.Key))
-		res, err := s.runScript(ctx, fixedScript, []string{base + "c", base + "r"},
-			[]any{c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds(), c.cost()})
+		res, err := s.runCmd(ctx, fixedScript, s.fixedCmd(&checks[0], now))
 		if err != nil {
 			return err
 		}
@@ -641,25 +639,78 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 // it, a decision fails at once (and on_error decides it).
 const pipelineQueue = 10_000
 
-// runScript runs the decision script, through the auto-pipeliner when the
-// store has one.
+// runScript runs a script with keys and args, through the auto-pipeliner
+// when the store has one.
 func (s *RedisStore) runScript(ctx context.Context, script *redis.Script, keys []string, args []any) ([]int64, error) {
-	if s.pipe == nil {
-		return script.Run(ctx, s.client, keys, args...).Int64Slice()
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, err // once queued, the command would run all the same
-	}
 	full := make([]any, 0, 3+len(keys)+len(args))
 	full = append(full, "evalsha", script.Hash(), len(keys))
 	for _, k := range keys {
 		full = append(full, k)
 	}
-	cmd := redis.NewCmd(ctx, append(full, args...)...)
-	if err := s.pipe.Submit(ctx, cmd).WaitContext(ctx); err != nil {
+	return s.runCmd(ctx, script, append(full, args...))
+}
+
+// fixedHash is fixedScript's SHA1, boxed once for every command.
+var fixedHash any = fixedScript.Hash()
+
+// fixedCmd returns the EVALSHA command of fixedScript for check c at now.
+// It allocates what it must (the arguments, the two keys in one string,
+// each boxed) and boxes the limit's max and window once per limit.
+func (s *RedisStore) fixedCmd(c *Check, now time.Time) []any {
+	base := s.base(c.Name, s.tag(c.Key))
+	keys := base + "c" + base + "r"
+	n := len(base) + 1
+	b := s.boxedLimit(&c.Limit)
+	var cutoff any = b.windowAny
+	if ms := c.Limit.cutoffIn(now).Milliseconds(); ms != b.window {
+		cutoff = ms // a reload shortened the window
+	}
+	return []any{"evalsha", fixedHash, 2, keys[:n], keys[n:], b.maxAny, b.windowAny, cutoff, c.cost()}
+}
+
+// boxedLimit is a limit's max and window in milliseconds, boxed as script
+// arguments.
+type boxedLimit struct {
+	max, window       int64
+	maxAny, windowAny any
+}
+
+// boxedLimit returns l's max and window boxed: the last limit's, kept,
+// when l is the same.
+func (s *RedisStore) boxedLimit(l *Limit) *boxedLimit {
+	w := l.Window.Milliseconds()
+	if b := s.boxed.Load(); b != nil && b.max == int64(l.Max) && b.window == w {
+		return b
+	}
+	b := &boxedLimit{max: int64(l.Max), window: w, maxAny: int64(l.Max), windowAny: w}
+	s.boxed.Store(b)
+	return b
+}
+
+// runCmd runs script's EVALSHA command full ("evalsha", its hash, the
+// number of keys, the keys, the arguments), through the auto-pipeliner
+// when the store has one, and loads the script when Redis lacks it.
+func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []any) ([]int64, error) {
+	cmd := redis.NewCmd(ctx, full...)
+	cmd.SetFirstKeyPos(3) // the first key, for a Cluster's slot
+	var err error
+	if s.pipe == nil {
+		err = s.client.Process(ctx, cmd)
+	} else {
+		if err := ctx.Err(); err != nil {
+			return nil, err // once queued, the command would run all the same
+		}
+		err = s.pipe.Submit(ctx, cmd).WaitContext(ctx)
+	}
+	if err != nil {
 		if redis.HasErrorPrefix(err, "NOSCRIPT") {
 			// A Redis that lost its scripts (a restart): Run loads it.
-			return script.Run(ctx, s.client, keys, args...).Int64Slice()
+			n := full[2].(int)
+			keys := make([]string, n)
+			for i := range keys {
+				keys[i] = full[3+i].(string)
+			}
+			return script.Run(ctx, s.client, keys, full[3+n:]...).Int64Slice()
 		}
 		return nil, err
 	}

@@ -76,3 +76,29 @@ func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
 		}
 	}
 }
+
+// A Redis that lost its scripts (SCRIPT FLUSH, as after a restart) answers
+// NOSCRIPT: the decision loads the script and decides, on both scripts'
+// paths, pipelined or not, with no store error and the count kept.
+func TestRedisScriptsReloaded(t *testing.T) {
+	t.Parallel()
+	srv := redistest.StartReal(t, "SCRIPT FLUSH")
+	for _, pipeline := range []bool{false, true} {
+		t.Run(fmt.Sprint("pipeline=", pipeline), func(t *testing.T) {
+			s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorDeny, Pipeline: pipeline})
+			ctx := context.Background()
+			for _, lim := range []Limit{{Window: time.Minute, Max: 10}, {Window: time.Minute, Max: 10, Sliding: true}} {
+				key := fmt.Sprint("flushed-", lim.Sliding)
+				for i := range 3 {
+					if err := client.ScriptFlush(ctx).Err(); err != nil {
+						t.Fatal(err)
+					}
+					v, err := s.Hit(ctx, key, time.Now(), lim)
+					if err != nil || v.StoreError || !v.Allowed || v.Remaining != 9-i {
+						t.Fatalf("sliding %t, hit %d after SCRIPT FLUSH: %+v, %v; want admitted with %d remaining", lim.Sliding, i+1, v, err, 9-i)
+					}
+				}
+			}
+		})
+	}
+}
