@@ -463,7 +463,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	reset := bp.resetOf(ceilSeconds(v.Reset.UnixNano()))
 	rl.setHeaders(w.Header(), bp, v, reset, now)
 
-	*requestVars(repl) = placeholders{
+	*requestVars(r, repl) = placeholders{
 		zone:      rl.policies[0].nameAny, // the first limit is named after the zone
 		policy:    bp.nameAny,
 		key:       key,
@@ -525,22 +525,21 @@ type placeholders struct {
 	exceeded                   bool
 }
 
-// placeholdersKey names the request's placeholders in the replacer's static
-// values, where a second rate_limit handler on the same request finds them
-// (and overwrites them, so the last handler's values show, as they would
-// if each handler set them). No placeholder can name it: the NUL byte.
+// placeholdersKey names the request's placeholders in its variables (a
+// plain map, cheaper to ask than the replacer), where a second rate_limit
+// handler on the same request finds them and overwrites them, so that the
+// last handler's values show, as they would if each handler set them. No
+// placeholder or matcher can name it: the NUL byte.
 const placeholdersKey = "rate_limit\x00placeholders"
 
 // requestVars returns the request's placeholders, registering them with the
 // replacer on the first call.
-func requestVars(repl *caddy.Replacer) *placeholders {
-	if v, ok := repl.Get(placeholdersKey); ok {
-		if p, ok := v.(*placeholders); ok {
-			return p
-		}
+func requestVars(r *http.Request, repl *caddy.Replacer) *placeholders {
+	if p, ok := caddyhttp.GetVar(r.Context(), placeholdersKey).(*placeholders); ok {
+		return p
 	}
 	p := new(placeholders)
-	repl.Set(placeholdersKey, p)
+	caddyhttp.SetVar(r.Context(), placeholdersKey, p)
 	repl.Map(p.replace)
 	return p
 }

@@ -210,12 +210,20 @@ http://127.0.0.1:%d {
 	if sc.xff {
 		env = append(env, "HEADER=X-Forwarded-For")
 	}
-	// Warm up; with many clients, long enough (at 40,000 req/s or more)
-	// that every client is tracked before the measured run.
-	warm := max(time.Second, time.Duration(sc.clients/40_000)*time.Second)
-	warmed := parseRequests(wrk(append(args, fmt.Sprintf("-d%s", warm), base), env))
+	// Warm up: a second, and with many clients until every client has
+	// been sent (tracked) before the measured run, at the rate seen so far.
+	// Each wrk run goes on from the clients the runs before it sent.
+	from := func(n int) []string { return append(env, fmt.Sprintf("START=%d", n)) }
+	warmed, warmedFor := 0, time.Second
+	warmed += parseRequests(wrk(append(args, "-d1s", base), from(0)))
+	for warmed < sc.clients && warmed > 0 && warmedFor < 5*time.Minute {
+		rest := time.Duration(float64(sc.clients-warmed)/float64(warmed)*float64(warmedFor)*1.1) + time.Second
+		rest = rest.Round(time.Second)
+		warmed += parseRequests(wrk(append(args, fmt.Sprintf("-d%s", rest), base), from(warmed)))
+		warmedFor += rest
+	}
 	cpu0 := cpuTicks(cmd.Process.Pid)
-	out := wrk(append(args, fmt.Sprintf("-d%s", d), base), env)
+	out := wrk(append(args, fmt.Sprintf("-d%s", d), base), from(warmed))
 	cpu1 := cpuTicks(cmd.Process.Pid)
 	r := parseWrk(out)
 	reqs := parseRequests(out)

@@ -242,15 +242,23 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 	}
 	if n == 1 {
 		s.decideOne(&checks[0], now.UnixNano(), &out[0])
-		return nil
+	} else {
+		s.decideMany(checks, now.UnixNano(), out)
 	}
+	return nil
+}
+
+// decideMany is Decide for several checks, in a function of its own: its
+// arrays would make Decide's frame, which every decision pays for, large
+// enough to grow request goroutines' stacks under load.
+func (s *MemoryStore) decideMany(checks []Check, t int64, out []Verdict) {
+	n := len(checks)
 	var hs, idx, locks [MaxChecks]uint64
 	for i := range checks {
 		hs[i] = s.hash(checks[i].Key, checks[i].Slot)
 		idx[i] = hs[i] & s.mask
 	}
 	nl := sortedUnique(idx[:n], locks[:])
-	t := now.UnixNano()
 
 	var es [MaxChecks]memEntry
 	var found [MaxChecks]bool
@@ -294,7 +302,6 @@ func (s *MemoryStore) Decide(_ context.Context, checks []Check, now time.Time, o
 		}
 	}
 	s.unlockShards(locks[:nl])
-	return nil
 }
 
 // decideOne is Decide for one check, the common case: one shard, one lock,
