@@ -45,7 +45,10 @@ func (k *inlineKey) live() bool { return k[0]&inlineLive != 0 }
 func (k *inlineKey) slot() int { return int(k[0]>>4) & (1<<slotBits - 1) }
 
 // String returns the key, without its slot.
-func (k *inlineKey) String() string { return string(k[1 : 1+k[0]&0xf]) }
+func (k *inlineKey) String() string { return string(k.bytes()) }
+
+// bytes returns the key's bytes, without its slot, in k.
+func (k *inlineKey) bytes() []byte { return k[1 : 1+k[0]&0xf] }
 
 // inlineSlot is one slot of an inline table: a key and its window, 48 bytes
 // and no pointers.

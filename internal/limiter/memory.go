@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 )
 
 // MemoryStore is the in-process Store: fixed or sliding windows in a sharded
@@ -800,9 +801,15 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 				listed(sh, slot, k, e)
 			}
 		}
+		// The shard's short keys as strings cut from one buffer: one
+		// allocation per shard rather than one per key (a listing reads
+		// every key to page and filter, and keeps few).
+		text := make([]byte, 0, sh.short.live*inlineMax)
 		for j := range sh.short.slots {
-			if sl := &sh.short.slots[j]; sl.key.live() {
-				listed(sh, sl.key.slot(), sl.key.String(), sl.entry())
+			if sl := &sh.short.slots[j]; sl.key.live() && t < sl.reset {
+				at := len(text)
+				text = append(text, sl.key.bytes()...)
+				listed(sh, sl.key.slot(), unsafe.String(unsafe.SliceData(text[at:]), len(text)-at), sl.entry())
 			}
 		}
 		for slot, m := range sh.bans {
