@@ -93,8 +93,8 @@ type RateLimit struct {
 	Max int `json:"max,omitempty"`
 
 	// MaxTracked bounds the memory a zone uses: at most this many keys are
-	// tracked (a key of up to 15 bytes, such as an IPv4 address, takes 64
-	// to 90 bytes; see docs/benchmarks.md). When full, expired windows are
+	// tracked (a key of up to 15 bytes, such as an IPv4 address, takes
+	// about 66 to 93 bytes; see docs/configuration.md). When full, expired windows are
 	// purged first, then the keys tracked longest are evicted (FIFO). At
 	// least 1000. Default: 100000.
 	MaxTracked int `json:"max_tracked,omitempty"`
@@ -535,11 +535,23 @@ const placeholdersKey = "rate_limit\x00placeholders"
 // requestVars returns the request's placeholders, registering them with the
 // replacer on the first call.
 func requestVars(r *http.Request, repl *caddy.Replacer) *placeholders {
-	if p, ok := caddyhttp.GetVar(r.Context(), placeholdersKey).(*placeholders); ok {
+	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if vars == nil {
+		// Outside Caddy's server (an embedding with no variables): the
+		// replacer keeps them, and is asked.
+		if v, ok := repl.Get(placeholdersKey); ok {
+			return v.(*placeholders)
+		}
+		p := new(placeholders)
+		repl.Set(placeholdersKey, p)
+		repl.Map(p.replace)
+		return p
+	}
+	if p, ok := vars[placeholdersKey].(*placeholders); ok {
 		return p
 	}
 	p := new(placeholders)
-	caddyhttp.SetVar(r.Context(), placeholdersKey, p)
+	vars[placeholdersKey] = p
 	repl.Map(p.replace)
 	return p
 }

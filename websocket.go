@@ -168,7 +168,7 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 		// Refused by this handler, if for the cap rather than the rate, so
 		// handle_errors renders it like any refusal.
 		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-			repl.Set("http.rate_limit.exceeded", true)
+			requestVars(r, repl).exceeded = true
 		}
 		w.Header().Set("Retry-After", wsCapRetryAfter)
 		if rl.refuseWebSocket(w, r) {

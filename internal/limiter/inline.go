@@ -248,7 +248,9 @@ func (t *inlineTable) free(h uint32) int {
 // arena is memory mapped outside the Go heap where the platform allows
 // (mapArena), so that the collector neither scans it nor counts it
 // towards its next goal; it is unmapped when freed, or when it becomes
-// unreachable.
+// unreachable. Each shard's table is one mapping (64 per store at most);
+// when the kernel refuses one (vm.max_map_count), the table goes on the
+// heap instead.
 type arena struct {
 	b       []byte
 	cleanup runtime.Cleanup

@@ -144,6 +144,26 @@ func TestInlineTableModel(t *testing.T) {
 		if tb.live != len(model) || tb.used*100 > len(tb.slots)*maxLoad {
 			t.Fatalf("step %d: live %d used %d of %d slots, model %d", step, tb.live, tb.used, len(tb.slots), len(model))
 		}
+		if step%1000 == 0 {
+			// used counts the slots not free (a short count would let a
+			// probe run forever); oldest is the live key inserted first.
+			notFree := 0
+			for j := range tb.slots {
+				if tb.slots[j].key[0] != inlineFree {
+					notFree++
+				}
+			}
+			first := -1
+			for _, at := range model {
+				if first < 0 || at < first {
+					first = at
+				}
+			}
+			at, _, ok := tb.oldest()
+			if notFree != tb.used || ok != (first >= 0) || (ok && model[tb.slots[at].key] != first) {
+				t.Fatalf("step %d: used %d, %d slots not free; oldest %t at step %d, want step %d", step, tb.used, notFree, ok, model[tb.slots[at].key], first)
+			}
+		}
 	}
 	// The ring lists the live keys in the order they were inserted.
 	var got []int
@@ -154,5 +174,93 @@ func TestInlineTableModel(t *testing.T) {
 	}
 	if len(got) != len(model) || !slices.IsSorted(got) {
 		t.Fatalf("ring lists %d live keys (model %d), in insertion order: %t", len(got), len(model), slices.IsSorted(got))
+	}
+}
+
+// The two homes of a key, the inline table and the Go maps, behave alike:
+// the same random decisions (one limit or two; fixed, sliding, GCRA,
+// banning, costly), refunds, forgets, sweeps, cut windows and cleared
+// slots, over short keys in one store and the same keys made long in
+// another, give the same verdicts and listings.
+func TestMemoryStoreShortAndLongKeysAlike(t *testing.T) {
+	t.Parallel()
+	const pad = "a-long-key-of-more-than-15-bytes:"
+	short, long := NewMemoryStore(1000), NewMemoryStore(1000)
+	limits := []Limit{
+		{Window: 10 * time.Second, Max: 3},
+		{Window: 10 * time.Second, Max: 4, Sliding: true},
+		{Window: 10 * time.Second, Max: 5, GCRA: true, Burst: 2},
+		{Window: 10 * time.Second, Max: 2, Ban: 30 * time.Second, BanMax: 2 * time.Minute},
+	}
+	r := rand.New(rand.NewPCG(3, 5))
+	now := t0
+	check := func(key string, slot int) Check {
+		return Check{Key: key, Slot: slot, Limit: limits[slot], Cost: 1 + r.IntN(2)*r.IntN(2)}
+	}
+	list := func(s *MemoryStore, strip string) []string {
+		var out []string
+		s.Range(bg, now, func(ks KeyState) bool {
+			ks.Key = strings.TrimPrefix(ks.Key, strip)
+			out = append(out, fmt.Sprintf("%+v", ks))
+			return true
+		})
+		slices.Sort(out)
+		return out
+	}
+	for step := range 20_000 {
+		now = now.Add(time.Duration(r.IntN(700)) * time.Millisecond)
+		key := fmt.Sprint("k", r.IntN(40))
+		switch op := r.IntN(100); {
+		case op < 80:
+			var cs [2]Check
+			n := 1 + r.IntN(2)
+			cs[0] = check(key, r.IntN(len(limits)))
+			cs[1] = check(fmt.Sprint("k", r.IntN(40)), (cs[0].Slot+1+r.IntN(len(limits)-1))%len(limits))
+			var vs, vl [2]Verdict
+			ls := cs
+			for i := range n {
+				ls[i].Key = pad + cs[i].Key
+			}
+			if err := short.Decide(bg, cs[:n], now, vs[:n]); err != nil {
+				t.Fatal(err)
+			}
+			if err := long.Decide(bg, ls[:n], now, vl[:n]); err != nil {
+				t.Fatal(err)
+			}
+			if vs != vl {
+				t.Fatalf("step %d, decide %+v:\n short %+v\n long  %+v", step, cs[:n], vs[:n], vl[:n])
+			}
+			if vs[0].Allowed && r.IntN(4) == 0 {
+				short.Refund(bg, cs[:n], now, vs[:n])
+				long.Refund(bg, ls[:n], now, vl[:n])
+			}
+		case op < 85:
+			c := Check{Key: key, Slot: r.IntN(len(limits))}
+			a, _ := short.ForgetCheck(bg, c)
+			c.Key = pad + key
+			if b, _ := long.ForgetCheck(bg, c); a != b {
+				t.Fatalf("step %d: ForgetCheck(%q) = %t short, %t long", step, key, a, b)
+			}
+		case op < 92:
+			if a, b := short.Sweep(now), long.Sweep(now); a != b {
+				t.Fatalf("step %d: Sweep dropped %d short, %d long", step, a, b)
+			}
+		case op < 97:
+			slot, at := r.IntN(len(limits)), now.Add(time.Duration(r.IntN(5000))*time.Millisecond)
+			short.CutWindows(slot, at)
+			long.CutWindows(slot, at)
+		default:
+			slot := r.IntN(len(limits))
+			short.ClearSlot(slot)
+			long.ClearSlot(slot)
+		}
+		if short.Len() != long.Len() {
+			t.Fatalf("step %d: Len %d short, %d long", step, short.Len(), long.Len())
+		}
+		if step%500 == 0 {
+			if a, b := list(short, ""), list(long, pad); !slices.Equal(a, b) {
+				t.Fatalf("step %d: listings differ:\n short %v\n long  %v", step, a, b)
+			}
+		}
 	}
 }

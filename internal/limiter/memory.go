@@ -672,8 +672,10 @@ func (sh *memShard) evictOldest(s *MemoryStore) bool {
 	}
 	at, seq, short := sh.short.oldest()
 	switch {
-	// Seqs compare by their low 32 bits, as the inline table keeps them.
-	case short && (!long || int32(seq-uint32(it.seq>>slotBits)) < 0):
+	// The older is the one inserted more inserts ago. The inline table
+	// keeps a seq's low 32 bits: a short key's age is exact while under
+	// 2^32 inserts of its shard, a long key's always.
+	case short && (!long || uint64(uint32(sh.seq)-seq) > sh.seq-it.seq>>slotBits):
 		sh.short.remove(at)
 	case long:
 		sh.order[sh.head] = orderItem{}
