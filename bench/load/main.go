@@ -2,7 +2,9 @@
 // Caddy under wrk, on loopback: each scenario runs on both builds in
 // alternation (bare, module, bare, module, …) for several rounds, and the
 // medians of req/s, latency, Caddy's CPU time per request and peak RSS are
-// printed with their ratios.
+// printed with their ratios, and the medians of the rounds' paired ratios
+// (each B against the A just before it, which the machine's drift between
+// rounds moves less).
 //
 //	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;…']
 //
@@ -101,8 +103,8 @@ func main() {
 	lua := filepath.Join(root, "bench", "clients.lua")
 
 	fmt.Printf("wrk -t1 -c%d -d%s on loopback, %d rounds alternating bare Caddy (A) and Caddy with rate_limit (B); medians\n\n", *conns, *duration, *rounds)
-	fmt.Println("| scenario | A req/s | B req/s | B/A req/s | A CPU µs/req | B CPU µs/req | A/B CPU | A p50/p99 ms | B p50/p99 ms | A peak RSS | B peak RSS | B non-2xx |")
-	fmt.Println("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+	fmt.Println("| scenario | A req/s | B req/s | B/A req/s | A CPU µs/req | B CPU µs/req | A/B CPU | B/A req/s, paired | A/B CPU, paired | A p50/p99 ms | B p50/p99 ms | A peak RSS | B peak RSS | B non-2xx |")
+	fmt.Println("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, sc := range scenarios {
 		if !selected(sc.name, *only) {
 			continue
@@ -139,11 +141,18 @@ func main() {
 			stopRedis()
 		}
 		ma, mb := medians(a), medians(b)
-		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d |\n",
-			sc.name, ma.rps, mb.rps, mb.rps/ma.rps, ma.cpuPerReq, mb.cpuPerReq, ma.cpuPerReq/mb.cpuPerReq,
+		// The paired ratios compare each round's B with the A run just
+		// before it: the machine's drift between rounds falls on both.
+		var rps, cpu []float64
+		for i := range a {
+			rps = append(rps, b[i].rps/a[i].rps)
+			cpu = append(cpu, a[i].cpuPerReq/b[i].cpuPerReq)
+		}
+		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d |\n",
+			sc.name, ma.rps, mb.rps, mb.rps/ma.rps, ma.cpuPerReq, mb.cpuPerReq, ma.cpuPerReq/mb.cpuPerReq, median(rps), median(cpu),
 			ma.p50, ma.p99, mb.p50, mb.p99, ma.rssMB, mb.rssMB, mb.non2xx)
 		if sc.clients > 0 && !sc.redis {
-			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | %.0f B/key | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
+			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | | | %.0f B/key | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
 		}
 	}
 }
@@ -321,6 +330,18 @@ func parseRequests(out string) int {
 	return n
 }
 
+// median returns the median of v (which it sorts), 0 for none.
+func median(v []float64) float64 {
+	sort.Float64s(v)
+	if len(v) == 0 {
+		return 0
+	}
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}
+
 // clockTicks is the kernel's USER_HZ, as /proc/<pid>/stat counts.
 const clockTicks = 100
 
@@ -361,14 +382,7 @@ func medians(rs []result) result {
 		for i, r := range rs {
 			v[i] = get(r)
 		}
-		sort.Float64s(v)
-		if len(v) == 0 {
-			return 0
-		}
-		if len(v)%2 == 1 {
-			return v[len(v)/2]
-		}
-		return (v[len(v)/2-1] + v[len(v)/2]) / 2
+		return median(v)
 	}
 	non2xx := make([]int, len(rs))
 	for i, r := range rs {
