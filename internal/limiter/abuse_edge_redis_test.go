@@ -63,7 +63,8 @@ func TestEdgeRedisGCRARefundOverCredit(t *testing.T) {
 func TestEdgeRedisCostlyRefusalCached(t *testing.T) {
 	srv := redistest.StartReal(t, "real")
 	lim := Limit{Window: 10 * time.Second, Max: 10, GCRA: true} // 1/s, burst 10
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
+	listening(t, s, client)
 	s.SetLimits([]Check{{Limit: lim}})
 	c := Check{Key: "203.0.113.11", Limit: lim, Cost: 10}
 	if _, ok := decide(t, s, time.Now(), c); !ok {

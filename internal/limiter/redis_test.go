@@ -40,12 +40,43 @@ func newTestRedisStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*R
 	return s, client
 }
 
+// listening marks s used and returns once it hears its unblock channel. Its
+// first subscription empties the refused cache (it may have missed unblocks
+// before it), so a test that counts on the cache must not race it: a
+// decision cached before the subscription is forgotten after it.
+func listening(t testing.TB, s *RedisStore, client redis.UniversalClient) {
+	t.Helper()
+	s.markUsed()
+	const probe = "listening-probe"
+	cached := func() bool {
+		sh := s.refused.shard(probe)
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		_, ok := sh.m[probe]
+		return ok
+	}
+	// An announcement is heard only after the subscription's emptying:
+	// once the probe is gone, either one has happened, and so the first.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+		now := time.Now()
+		s.refused.put(probe, now.Add(time.Hour).UnixNano(), 1, now.UnixNano())
+		client.Publish(context.Background(), s.unblockChannel(), "\x00"+probe)
+		for wait := time.Now().Add(100 * time.Millisecond); time.Now().Before(wait); time.Sleep(5 * time.Millisecond) {
+			if !cached() {
+				return
+			}
+		}
+	}
+	t.Fatal("the store never heard its unblock channel")
+}
+
 // The Redis store reaches the same verdicts as the memory store: max
 // admitted counting down, refusals not counted, FirstRefusal once, a fresh
 // window after the reset, and no key outliving its window.
 func TestRedisStoreVerdicts(t *testing.T) {
 	srv := redistest.Start(t)
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	listening(t, s, client)
 	ctx := context.Background()
 	lim := Limit{Window: 2 * time.Second, Max: 3}
 	now := time.Now()
@@ -106,7 +137,8 @@ func TestRedisStoreVerdicts(t *testing.T) {
 // window resets: with Redis gone, the verdict is still a plain refusal.
 func TestRedisStoreRefusesLocally(t *testing.T) {
 	srv := redistest.Start(t)
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow})
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorAllow})
+	listening(t, s, client)
 	ctx := context.Background()
 	lim := Limit{Window: time.Minute, Max: 1}
 	now := time.Now()
@@ -135,7 +167,8 @@ func TestRedisStoreRefusesLocally(t *testing.T) {
 // whose script clamps the key's expiry to the new window.
 func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 	srv := redistest.Start(t)
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	listening(t, s, client)
 	ctx := context.Background()
 	long := Limit{Window: time.Hour, Max: 1}
 	now := time.Now()
@@ -164,7 +197,8 @@ func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 // comes back in between; the refused tally starts afresh with the window.
 func TestRedisStoreWindowShortenedSince(t *testing.T) {
 	srv := redistest.Start(t)
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	listening(t, s, client)
 	ctx := context.Background()
 	now := time.Now()
 	long := Limit{Window: 2 * time.Minute, Max: 2}
@@ -323,6 +357,7 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 func TestRedisStoreFloodCostsNothing(t *testing.T) {
 	srv := redistest.StartReal(t, "miniredis keeps no command statistics")
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	listening(t, s, client)
 	ctx := context.Background()
 	lim := Limit{Window: time.Minute, Max: 3}
 	if err := client.ConfigResetStat(ctx).Err(); err != nil {
