@@ -276,35 +276,58 @@ func TestRedisClientGoneNotStoreError(t *testing.T) {
 // Two rate_limit handlers on one request: the placeholders show each
 // handler's values from the moment it decided, the last one's afterwards,
 // as they did when each handler set them in the replacer's map; a value
-// another module sets in that map still wins.
+// another module sets in that map still wins. Inside Caddy's server (a
+// request with variables) and outside it (none: a custom key then).
 func TestPlaceholdersLastHandlerWins(t *testing.T) {
 	t.Parallel()
-	outer, _ := provisionHandler(t, "ph_outer", 10, true)
-	inner, _ := provisionHandler(t, "ph_inner", 5, true)
-	r := httptest.NewRequest(http.MethodGet, "/", nil)
-	r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"}))
-	repl := caddyhttp.NewTestReplacer(r)
-	const all = "{http.rate_limit.zone} {http.rate_limit.policy} {http.rate_limit.key} {http.rate_limit.limit} {http.rate_limit.remaining} {http.rate_limit.exceeded} {http.rate_limit.unknown}"
-	var between, last string
-	final := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
-		last = repl.ReplaceAll(all, "-")
-		return nil
-	})
-	err := outer.ServeHTTP(&headerWriter{h: http.Header{}}, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		between = repl.ReplaceAll(all, "-")
-		return inner.ServeHTTP(w, r, final)
-	}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if want := "ph_outer ph_outer 203.0.113.9 10 9 false -"; between != want {
-		t.Errorf("after the first handler: %q, want %q", between, want)
-	}
-	if want := "ph_inner ph_inner 203.0.113.9 5 4 false -"; last != want {
-		t.Errorf("after the second handler: %q, want %q", last, want)
-	}
-	repl.Set("http.rate_limit.exceeded", true)
-	if got := repl.ReplaceAll("{http.rate_limit.exceeded} {http.rate_limit.zone}", "-"); got != "true ph_inner" {
-		t.Errorf("with exceeded set in the map: %q", got)
+	for _, tc := range []struct {
+		name, key, want string
+		vars            bool
+	}{
+		{"server", "", "203.0.113.9", true},
+		{"no_variables", "{http.request.header.X-Client}", "key:c1", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			handler := func(zone string, max int) *RateLimit {
+				ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+				t.Cleanup(cancel)
+				rl := &RateLimit{Zone: zone + tc.name, Max: max, Window: caddy.Duration(time.Minute), Key: tc.key}
+				if err := rl.Provision(ctx); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { rl.Cleanup() })
+				return rl
+			}
+			outer, inner := handler("ph_outer", 10), handler("ph_inner", 5)
+			r := httptest.NewRequest(http.MethodGet, "/", nil)
+			r.Header.Set("X-Client", "c1")
+			if tc.vars {
+				r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"}))
+			}
+			repl := caddyhttp.NewTestReplacer(r)
+			const all = "{http.rate_limit.zone} {http.rate_limit.key} {http.rate_limit.limit} {http.rate_limit.remaining} {http.rate_limit.exceeded} {http.rate_limit.unknown}"
+			var between, last string
+			final := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+				last = repl.ReplaceAll(all, "-")
+				return nil
+			})
+			err := outer.ServeHTTP(&headerWriter{h: http.Header{}}, r, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				between = repl.ReplaceAll(all, "-")
+				return inner.ServeHTTP(w, r, final)
+			}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := "ph_outer" + tc.name + " " + tc.want + " 10 9 false -"; between != want {
+				t.Errorf("after the first handler: %q, want %q", between, want)
+			}
+			if want := "ph_inner" + tc.name + " " + tc.want + " 5 4 false -"; last != want {
+				t.Errorf("after the second handler: %q, want %q", last, want)
+			}
+			repl.Set("http.rate_limit.exceeded", true)
+			if got, want := repl.ReplaceAll("{http.rate_limit.exceeded} {http.rate_limit.zone}", "-"), "true ph_inner"+tc.name; got != want {
+				t.Errorf("with exceeded set in the map: %q, want %q", got, want)
+			}
+		})
 	}
 }
