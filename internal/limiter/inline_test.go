@@ -264,3 +264,28 @@ func TestMemoryStoreShortAndLongKeysAlike(t *testing.T) {
 		}
 	}
 }
+
+// After a flood of short keys, the sweep that drops their ended windows
+// gives the tables' memory back (a Go map never shrinks); keys that remain
+// keep a table sized to them.
+func TestMemoryStoreSweepReturnsMemory(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(200_000)
+	for i := range 100_000 {
+		hit(t, s, fmt.Sprint("10.1.", i>>8, ".", i&255), t0, Limit{Window: time.Second, Max: 5})
+	}
+	hit(t, s, "203.0.113.1", t0, Limit{Window: time.Hour, Max: 5})
+	flood := s.mapped.Load()
+	if flood < 100_000*48 {
+		t.Fatalf("%d bytes mapped for 100,001 keys, want at least 48 per key", flood)
+	}
+	if n := s.Sweep(t0.Add(time.Second)); n != 100_000 {
+		t.Fatalf("Sweep dropped %d, want 100000", n)
+	}
+	if left := s.mapped.Load(); left > 64*1024 {
+		t.Fatalf("%d bytes still mapped for 1 key after the sweep (%d during the flood)", left, flood)
+	}
+	if v := hit(t, s, "203.0.113.1", t0.Add(time.Second), Limit{Window: time.Hour, Max: 5}); v.Remaining != 3 {
+		t.Fatalf("the key that remained: %+v, want 3 remaining", v)
+	}
+}
