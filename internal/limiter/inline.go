@@ -122,11 +122,10 @@ func home(h uint32, n int) int {
 }
 
 // add inserts k, which is not in the table, with window e and insertion seq
-// seq, and returns the table's change in mapped bytes (it may grow).
-func (t *inlineTable) add(h uint32, k *inlineKey, e *memEntry, seq uint32) int64 {
-	var grown int64
+// seq, growing the table when it is full.
+func (t *inlineTable) add(h uint32, k *inlineKey, e *memEntry, seq uint32) {
 	if (t.used+1)*100 > len(t.slots)*maxLoad {
-		grown = t.rehash(max(minInlineSz, (t.live+1)*100/growLoad))
+		t.rehash(max(minInlineSz, (t.live+1)*100/growLoad))
 	}
 	i := t.free(h)
 	s := &t.slots[i]
@@ -143,7 +142,6 @@ func (t *inlineTable) add(h uint32, k *inlineKey, e *memEntry, seq uint32) int64
 	}
 	t.ring[t.tail] = ringItem{at: uint32(i), seq: seq}
 	t.tail++
-	return grown
 }
 
 // remove deletes the key at slot i. A deleted slot followed by a free one is
@@ -200,12 +198,10 @@ func (t *inlineTable) compactRing() {
 }
 
 // rehash moves the live keys to a new arena of n slots or more (no arena
-// for n 0 and no live keys), keeping their insertion order, and returns the
-// change in mapped bytes.
-func (t *inlineTable) rehash(n int) int64 {
+// for n 0 and no live keys), keeping their insertion order.
+func (t *inlineTable) rehash(n int) {
 	old := *t
 	*t = inlineTable{}
-	var delta int64
 	if n > 0 || old.live > 0 {
 		n = max(n, old.live*100/maxLoad+1)
 		slotBytes := n * int(unsafe.Sizeof(inlineSlot{}))
@@ -213,7 +209,6 @@ func (t *inlineTable) rehash(n int) int64 {
 		base := unsafe.Pointer(unsafe.SliceData(t.mem.b))
 		t.slots = unsafe.Slice((*inlineSlot)(base), n)
 		t.ring = unsafe.Slice((*ringItem)(unsafe.Add(base, slotBytes)), n)
-		delta = int64(len(t.mem.b))
 		for _, it := range old.ring[old.head:old.tail] {
 			if !old.holds(it) {
 				continue
@@ -226,10 +221,20 @@ func (t *inlineTable) rehash(n int) int64 {
 		t.live, t.used = old.live, old.live
 	}
 	if old.mem != nil {
-		delta -= int64(len(old.mem.b))
 		old.mem.free()
 	}
-	return delta
+}
+
+// tidy rebuilds the table when deleted slots lengthen its probes or it
+// holds far more room than keys, and frees it when empty.
+func (t *inlineTable) tidy() {
+	if n := len(t.slots); n > 0 && (t.live == 0 || (t.used-t.live)*4 > n || (n > 4*minInlineSz && t.live*4 < n)) {
+		size := 0
+		if t.live > 0 {
+			size = max(minInlineSz, t.live*100/growLoad)
+		}
+		t.rehash(size)
+	}
 }
 
 // free returns the first slot not live on the probe path of hash h. The

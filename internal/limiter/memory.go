@@ -33,7 +33,6 @@ type MemoryStore struct {
 	tracked    atomic.Int64
 	banned     atomic.Int64 // ban entries, at most maxTracked
 	evictions  atomic.Uint64
-	mapped     atomic.Int64 // bytes of the shards' inline tables
 	purging    atomic.Bool
 	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
 	purgeEvery time.Duration // least time between two purges made for room
@@ -194,7 +193,7 @@ func (s *MemoryStore) ClearSlot(slot int) {
 				n++
 			}
 		}
-		s.tidy(sh)
+		sh.short.tidy()
 		nb := len(sh.bans[slot])
 		sh.bans[slot] = nil
 		sh.compact()
@@ -414,7 +413,7 @@ func (s *MemoryStore) insert(h uint64, c *Check, e *memEntry) {
 	sh.seq++
 	s.tracked.Add(1)
 	if k, short := packKey(c.Slot, c.Key); short {
-		s.mapped.Add(sh.short.add(uint32(h>>32), &k, e, uint32(sh.seq)))
+		sh.short.add(uint32(h>>32), &k, e, uint32(sh.seq))
 		return
 	}
 	m := sh.entries[c.Slot]
@@ -711,7 +710,7 @@ func (s *MemoryStore) evictElsewhere(idx uint64) bool {
 
 // purge deletes every expired window of the shard and returns how many it
 // deleted. The caller holds sh.mu.
-func (s *MemoryStore) purge(sh *memShard, t int64) int {
+func (sh *memShard) purge(t int64) int {
 	n := 0
 	for _, m := range sh.entries {
 		for k, e := range m {
@@ -730,22 +729,8 @@ func (s *MemoryStore) purge(sh *memShard, t int64) int {
 			n++
 		}
 	}
-	s.tidy(sh)
+	sh.short.tidy()
 	return n
-}
-
-// tidy rebuilds the shard's inline table when deleted slots lengthen its
-// probes or it holds far more room than keys, and frees it when empty. The
-// caller holds sh.mu.
-func (s *MemoryStore) tidy(sh *memShard) {
-	t := &sh.short
-	if n := len(t.slots); n > 0 && (t.live == 0 || (t.used-t.live)*4 > n || (n > 4*minInlineSz && t.live*4 < n)) {
-		size := 0
-		if t.live > 0 {
-			size = max(minInlineSz, t.live*100/growLoad)
-		}
-		s.mapped.Add(t.rehash(size))
-	}
 }
 
 // compact drops consumed and stale insertion records once they outnumber the
@@ -897,7 +882,7 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		n := s.purge(sh, t)
+		n := sh.purge(t)
 		sh.purgeBans(s, t, false)
 		sh.compact()
 		sh.mu.Unlock()

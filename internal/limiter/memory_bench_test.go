@@ -86,7 +86,7 @@ func BenchmarkMemoryStoreFootprint(b *testing.B) {
 				runtime.GC()
 				runtime.ReadMemStats(&after)
 				heap = float64(after.HeapAlloc) - float64(before.HeapAlloc)
-				perKey = (heap + float64(s.mapped.Load())) / float64(len(keys))
+				perKey = (heap + float64(inlineBytes(s))) / float64(len(keys))
 				runtime.KeepAlive(s)
 			}
 			b.ReportMetric(perKey, "bytes/key")
