@@ -2,11 +2,13 @@ package limiter
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 )
 
-// GCRA cost*interval overflows int64: a huge cost is admitted and the bucket refilled.
+// A cost whose units times the interval overflow int64 is refused, and
+// leaves the empty bucket empty.
 func TestEdgeGCRACostOverflow(t *testing.T) {
 	lim := Limit{Window: time.Hour, Max: 100, GCRA: true} // interval 36s
 	s := NewMemoryStore(1000)
@@ -22,30 +24,30 @@ func TestEdgeGCRACostOverflow(t *testing.T) {
 		t.Fatal("bucket not empty")
 	}
 	c.Cost = 1_000_000_000
-	out, ok := decide(t, s, now, c)
-	t.Logf("cost 1e9: ok=%v %+v", ok, out[0])
+	if _, ok := decide(t, s, now, c); ok {
+		t.Errorf("a cost of 1e9 admitted by an empty bucket")
+	}
 	c.Cost = 1
-	out, ok = decide(t, s, now, c)
-	t.Logf("cost 1 after: ok=%v %+v", ok, out[0])
-	if ok {
+	if _, ok := decide(t, s, now, c); ok {
 		t.Errorf("empty bucket admits after a huge-cost request")
 	}
 }
 
-// GCRA memory verdict Reset is pre-spend.
-func TestEdgeGCRAResetPreSpend(t *testing.T) {
+// An admitted GCRA request's Reset is when the bucket is full again after
+// it, not before.
+func TestEdgeGCRAResetAfterSpend(t *testing.T) {
 	lim := Limit{Window: 10 * time.Second, Max: 10, GCRA: true} // interval 1s
 	s := NewMemoryStore(1000)
 	c := Check{Key: "k", Limit: lim}
 	now := time.Now()
 	out, _ := decide(t, s, now, c)
-	t.Logf("first: reset-now=%v remaining=%d", out[0].Reset.Sub(now), out[0].Remaining)
 	if out[0].Reset.Sub(now) != time.Second {
 		t.Errorf("Reset of first admitted GCRA request = now+%v, want now+1s (when the bucket is full again)", out[0].Reset.Sub(now))
 	}
 }
 
-// GCRA refund after the request's units already dripped back credits an extra unit.
+// A GCRA refund after the request's units have dripped back credits no
+// extra unit.
 func TestEdgeGCRARefundOverCredit(t *testing.T) {
 	lim := Limit{Window: 10 * time.Second, Max: 1, GCRA: true, Burst: 1} // one per 10s
 	s := NewMemoryStore(1000)
@@ -68,52 +70,37 @@ func TestEdgeGCRARefundOverCredit(t *testing.T) {
 	}
 }
 
-// escalation: after reaching the cap, the next violation starts over from ban.
-func TestEdgeEscalationResets(t *testing.T) {
-	lim := Limit{Window: time.Minute, Max: 1, Ban: 4 * time.Hour, BanMax: 24 * time.Hour}
-	s := NewMemoryStore(1000)
-	c := Check{Key: "k", Limit: lim}
-	now := time.Now()
-	var bans []time.Duration
-	for range 5 {
-		// wait out ban and window
-		for {
-			out, ok := decide(t, s, now, c)
-			if ok {
-				break
+// Escalation doubles each ban up to the longest and stays there while the
+// offender keeps going; a ban of a day or more escalates too when a longer
+// longest is named (docs/abuse-controls.md, Escalation).
+func TestEdgeEscalation(t *testing.T) {
+	for _, tc := range []struct {
+		ban, longest time.Duration
+		want         []time.Duration
+	}{
+		{4 * time.Hour, 24 * time.Hour, []time.Duration{4 * time.Hour, 8 * time.Hour, 16 * time.Hour, 24 * time.Hour, 24 * time.Hour}},
+		{24 * time.Hour, 7 * 24 * time.Hour, []time.Duration{24 * time.Hour, 48 * time.Hour, 96 * time.Hour}},
+	} {
+		s := NewMemoryStore(1000)
+		c := Check{Key: "k", Limit: Limit{Window: time.Minute, Max: 1, Ban: tc.ban, BanMax: tc.longest}}
+		now := time.Now()
+		var bans []time.Duration
+		for range tc.want {
+			for { // wait out the ban and the window
+				out, ok := decide(t, s, now, c)
+				if ok {
+					break
+				}
+				now = now.Add(out[0].RetryAfter + time.Second)
 			}
-			now = now.Add(out[0].RetryAfter + time.Second)
-		}
-		out, ok := decide(t, s, now, c)
-		if ok {
-			t.Fatal("admitted")
-		}
-		bans = append(bans, out[0].RetryAfter.Round(time.Minute))
-	}
-	t.Logf("bans: %v", bans)
-	// docs: ban 4h escalate 24h: 4, 8, 16, 24, 24 while the offender keeps going
-}
-
-// a ban of a day or more never escalates, though the docs say to name a longer max then.
-func TestEdgeEscalationDayBan(t *testing.T) {
-	lim := Limit{Window: time.Minute, Max: 1, Ban: 24 * time.Hour, BanMax: 7 * 24 * time.Hour}
-	s := NewMemoryStore(1000)
-	c := Check{Key: "k", Limit: lim}
-	now := time.Now()
-	var bans []time.Duration
-	for range 3 {
-		for {
-			out, ok := decide(t, s, now, c)
+			out, ok := decide(t, s, now, c) // the violation
 			if ok {
-				break
+				t.Fatalf("ban %v: a second request in the window admitted with max 1", tc.ban)
 			}
-			now = now.Add(out[0].RetryAfter + time.Second)
+			bans = append(bans, out[0].RetryAfter.Round(time.Minute))
 		}
-		out, _ := decide(t, s, now, c)
-		bans = append(bans, out[0].RetryAfter.Round(time.Minute))
-	}
-	t.Logf("bans: %v", bans)
-	if bans[1] == bans[0] {
-		t.Errorf("ban 24h escalate 168h never escalates: %v", bans)
+		if !slices.Equal(bans, tc.want) {
+			t.Errorf("ban %v escalate %v: bans %v, want %v", tc.ban, tc.longest, bans, tc.want)
+		}
 	}
 }
