@@ -58,8 +58,8 @@ func BenchmarkServeHTTP(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				// Fresh variables and a fresh replacer, as the server
-				// gives every request: their allocations (about 10)
-				// count in allocs/op too.
+				// gives every request: their 13 allocations (1088 B,
+				// measured without the handler) count in allocs/op too.
 				r := *base
 				r = *r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"}))
 				caddyhttp.NewTestReplacer(&r)
