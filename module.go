@@ -307,13 +307,10 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		p.setAbuse(l.AbuseControls.over(rl.AbuseControls))
 		rl.policies = append(rl.policies, p)
 	}
-	rl.countStatus, rl.costWarned = false, new(atomic.Bool)
+	rl.countStatus, rl.costWarned, rl.inFlight = false, new(atomic.Bool), nil
 	for i := range rl.policies {
 		rl.countStatus = rl.countStatus || rl.policies[i].countStatus != nil
-	}
-	rl.inFlight = nil
-	for i := range rl.policies {
-		if rl.policies[i].holdsBan() {
+		if rl.policies[i].holdsBan() && rl.inFlight == nil {
 			rl.inFlight = &inFlight{n: map[string]int{}}
 		}
 	}
@@ -535,23 +532,24 @@ const placeholdersKey = "rate_limit\x00placeholders"
 // requestVars returns the request's placeholders, registering them with the
 // replacer on the first call.
 func requestVars(r *http.Request, repl *caddy.Replacer) *placeholders {
+	// Outside Caddy's server (an embedding with no variables), the
+	// replacer keeps them, and is asked.
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if vars == nil {
-		// Outside Caddy's server (an embedding with no variables): the
-		// replacer keeps them, and is asked.
-		if v, ok := repl.Get(placeholdersKey); ok {
-			return v.(*placeholders)
-		}
-		p := new(placeholders)
-		repl.Set(placeholdersKey, p)
-		repl.Map(p.replace)
-		return p
+	var found any
+	if vars != nil {
+		found = vars[placeholdersKey]
+	} else {
+		found, _ = repl.Get(placeholdersKey)
 	}
-	if p, ok := vars[placeholdersKey].(*placeholders); ok {
+	if p, ok := found.(*placeholders); ok {
 		return p
 	}
 	p := new(placeholders)
-	vars[placeholdersKey] = p
+	if vars != nil {
+		vars[placeholdersKey] = p
+	} else {
+		repl.Set(placeholdersKey, p)
+	}
 	repl.Map(p.replace)
 	return p
 }
