@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -395,14 +396,19 @@ func (rl *RateLimit) Cleanup() error {
 // ServeHTTP judges the request against every limit of the handler at once
 // and either passes it on, with the quota headers set, or refuses it.
 func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if !rl.isEnabled() || (len(rl.exemptRanges) > 0 && rl.exempt(r)) {
+	if !rl.isEnabled() {
+		return next.ServeHTTP(w, r)
+	}
+	ctx := r.Context()
+	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if len(rl.exemptRanges) > 0 && rl.exempt(vars) {
 		return next.ServeHTTP(w, r)
 	}
 	if rl.cutRedis != nil {
 		rl.cutRedis.Do(rl.startRedisCut)
 	}
-	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	ipKey := rl.ipKey(r)
+	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	ipKey := rl.ipKey(vars)
 	// The checks and verdicts go through the Store interface, so they
 	// would escape to the heap: a pooled buffer keeps a request from
 	// allocating them.
@@ -429,6 +435,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 			checks[n].Cost = rl.requestCost(p, repl)
 		}
 		n++
+		d.n = n
 	}
 	if n == 0 {
 		return next.ServeHTTP(w, r) // nothing to count it by
@@ -438,7 +445,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		defer rl.enterInFlight(d, n)()
 	}
 	now := time.Now()
-	if err := rl.zone.store.Decide(r.Context(), checks[:n], now, out[:n]); err != nil {
+	if err := rl.zone.store.Decide(ctx, checks[:n], now, out[:n]); err != nil {
 		return rl.undecided(w, r, err)
 	}
 	allowed := true
@@ -458,9 +465,9 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	key := checks[m].Key
 	bp := &rl.policies[of[m]]
 	reset := bp.resetOf(ceilSeconds(v.Reset.UnixNano()))
-	rl.setHeaders(w.Header(), bp, v, reset, now)
-
-	*requestVars(r, repl) = placeholders{
+	st := requestVars(vars, repl)
+	rl.setHeaders(w.Header(), st.headerText(), bp, v, reset, now)
+	st.placeholders = placeholders{
 		zone:      rl.policies[0].nameAny, // the first limit is named after the zone
 		policy:    bp.nameAny,
 		key:       key,
@@ -522,36 +529,63 @@ type placeholders struct {
 	exceeded                   bool
 }
 
-// placeholdersKey names the request's placeholders in its variables (a
-// plain map, cheaper to ask than the replacer), where a second rate_limit
-// handler on the same request finds them and overwrites them, so that the
+// requestState is what the handler keeps for one request: its placeholders
+// and, in the same allocation, the first handler's quota header values.
+type requestState struct {
+	placeholders
+	text     headerText
+	textUsed bool // text holds a handler's values: a second handler takes its own
+}
+
+// headerText holds one response's quota header values: the header map's
+// value slices are cut from vals, and the values computed per request are
+// written into buf. Once a handler has set them they are never written
+// again, so the strings that point into buf stay as they were.
+type headerText struct {
+	vals [5]string
+	buf  [64]byte
+}
+
+// headerText returns the header values for this handler: the ones kept
+// with the state the first time, a fresh one for a second handler on the
+// same request (its values would otherwise change the first one's strings).
+func (st *requestState) headerText() *headerText {
+	if st.textUsed {
+		return new(headerText)
+	}
+	st.textUsed = true
+	return &st.text
+}
+
+// placeholdersKey names the request's state in its variables (a plain map,
+// cheaper to ask than the replacer), where a second rate_limit handler on
+// the same request finds it and overwrites the placeholders, so that the
 // last handler's values show, as they would if each handler set them. No
 // placeholder or matcher can name it: the NUL byte.
 const placeholdersKey = "rate_limit\x00placeholders"
 
-// requestVars returns the request's placeholders, registering them with the
-// replacer on the first call.
-func requestVars(r *http.Request, repl *caddy.Replacer) *placeholders {
-	// Outside Caddy's server (an embedding with no variables), the
-	// replacer keeps them, and is asked.
-	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+// requestVars returns the request's state, given its variables (nil
+// outside Caddy's server, in an embedding that has none: the replacer
+// keeps it then), registering its placeholders with the replacer on the
+// first call.
+func requestVars(vars map[string]any, repl *caddy.Replacer) *requestState {
 	var found any
 	if vars != nil {
 		found = vars[placeholdersKey]
 	} else {
 		found, _ = repl.Get(placeholdersKey)
 	}
-	if p, ok := found.(*placeholders); ok {
-		return p
+	if st, ok := found.(*requestState); ok {
+		return st
 	}
-	p := new(placeholders)
+	st := new(requestState)
 	if vars != nil {
-		vars[placeholdersKey] = p
+		vars[placeholdersKey] = st
 	} else {
-		repl.Set(placeholdersKey, p)
+		repl.Set(placeholdersKey, st)
 	}
-	repl.Map(p.replace)
-	return p
+	repl.Map(st.replace)
+	return st
 }
 
 // replace is the placeholders' caddy.ReplacerFunc.
@@ -595,6 +629,7 @@ func (rl *RateLimit) undecided(w http.ResponseWriter, r *http.Request, err error
 
 // decision is the scratch space of one request's decision.
 type decision struct {
+	n      int // the checks in use
 	checks [limiter.MaxChecks]limiter.Check
 	of     [limiter.MaxChecks]int // the policy of each check
 	out    [limiter.MaxChecks]limiter.Verdict
@@ -604,10 +639,12 @@ type decision struct {
 	refundOut [limiter.MaxChecks]limiter.Verdict
 }
 
-// release returns d to the pool, holding no request's keys.
+// release returns d to the pool, holding no request's keys: refund holds
+// at most the n checks in use.
 func (d *decision) release() {
-	clear(d.checks[:])
-	clear(d.refund[:])
+	clear(d.checks[:d.n])
+	clear(d.refund[:d.n])
+	d.n = 0
 	decisions.Put(d)
 }
 
@@ -658,9 +695,10 @@ func (rl *RateLimit) startRedisCut() {
 	}()
 }
 
-// ipKey returns the client IP key of the request, or "" if it has none.
-func (rl *RateLimit) ipKey(r *http.Request) string {
-	ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
+// ipKey returns the client IP key of the request whose variables are
+// vars, or "" if it has none.
+func (rl *RateLimit) ipKey(vars map[string]any) string {
+	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
 	if ip == "" {
 		return ""
 	}
@@ -668,28 +706,39 @@ func (rl *RateLimit) ipKey(r *http.Request) string {
 }
 
 // setHeaders sets the quota headers of the configured mode for the limit
-// that binds the request (p, whose verdict is v); reset is v.Reset in Unix
-// seconds, rounded up. RateLimit-Policy lists every limit.
-func (rl *RateLimit) setHeaders(h http.Header, p *policy, v limiter.Verdict, reset *resetText, now time.Time) {
+// that binds the request (p, whose verdict is v), with their values in t;
+// reset is v.Reset in Unix seconds, rounded up. RateLimit-Policy lists
+// every limit.
+func (rl *RateLimit) setHeaders(h http.Header, t *headerText, p *policy, v limiter.Verdict, reset *resetText, now time.Time) {
 	if !rl.legacyHeaders && !rl.ietfHeaders {
 		return
 	}
-	remaining := strconv.Itoa(v.Remaining)
+	// Canonical keys set directly: h.Set would allocate to canonicalize
+	// them on every request. They go out as X-Ratelimit-*, as h.Set would
+	// send them; header names are case-insensitive. Each value slice is
+	// capped to its own element of t.vals, so that appending to one
+	// copies it rather than overwrite the next.
+	b := strconv.AppendInt(t.buf[:0], int64(v.Remaining), 10)
+	remaining := unsafe.String(unsafe.SliceData(b), len(b))
 	if rl.legacyHeaders {
-		// Canonical keys set directly: h.Set would allocate to canonicalize
-		// them on every request. They go out as X-Ratelimit-*, as h.Set
-		// would send them; header names are case-insensitive. The three
-		// values share one array, each capped to its own element.
-		vals := [...]string{p.maxStr, remaining, reset.text}
-		all := vals[:]
-		h["X-Ratelimit-Limit"] = all[0:1:1]
-		h["X-Ratelimit-Remaining"] = all[1:2:2]
-		h["X-Ratelimit-Reset"] = all[2:3:3]
+		t.vals[0], t.vals[1], t.vals[2] = p.maxStr, remaining, reset.text
+		h["X-Ratelimit-Limit"] = t.vals[0:1:1]
+		h["X-Ratelimit-Remaining"] = t.vals[1:2:2]
+		h["X-Ratelimit-Reset"] = t.vals[2:3:3]
 	}
 	if rl.ietfHeaders {
 		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)
-		h["Ratelimit-Policy"] = []string{rl.policyHeader}
-		h["Ratelimit"] = []string{p.quoted + ";r=" + remaining + ";t=" + strconv.FormatInt(left, 10)}
+		// Written after remaining's digits in buf (or into a new array
+		// when a long limit name overflows it).
+		rest := b[len(b):]
+		rest = append(rest, p.quoted...)
+		rest = append(rest, ";r="...)
+		rest = append(rest, remaining...)
+		rest = append(rest, ";t="...)
+		rest = strconv.AppendInt(rest, left, 10)
+		t.vals[3], t.vals[4] = rl.policyHeader, unsafe.String(unsafe.SliceData(rest), len(rest))
+		h["Ratelimit-Policy"] = t.vals[3:4:4]
+		h["Ratelimit"] = t.vals[4:5:5]
 	}
 }
 

@@ -150,9 +150,7 @@ func keyOf(t *testing.T, rl *RateLimit, ip string, headers ...string) string {
 		r.Header.Set(headers[i], headers[i+1])
 	}
 	repl := caddyhttp.NewTestReplacer(r)
-	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
-	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip})
-	key, err := rl.policies[0].resolve(repl, rl.ipKey(r.WithContext(ctx)))
+	key, err := rl.policies[0].resolve(repl, rl.ipKey(map[string]any{caddyhttp.ClientIPVarKey: ip}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -329,5 +327,55 @@ func TestPlaceholdersLastHandlerWins(t *testing.T) {
 				t.Errorf("with exceeded set in the map: %q, want %q", got, want)
 			}
 		})
+	}
+}
+
+// Each handler's quota header values stay as it set them when a second
+// rate_limit handler on the same request sets its own (they are written
+// into memory kept with the request's placeholders), and a limit name too
+// long for that memory still gives whole values.
+func TestHeaderValuesPerHandler(t *testing.T) {
+	t.Parallel()
+	long := "ph_long_" + strings.Repeat("n", 80)
+	handler := func(zone string, max int) *RateLimit {
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		t.Cleanup(cancel)
+		rl := &RateLimit{Zone: zone, Max: max, Window: caddy.Duration(time.Minute), Headers: HeadersBoth}
+		if err := rl.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { rl.Cleanup() })
+		return rl
+	}
+	outer, inner := handler("ph_hdr_outer", 12345), handler(long, 7)
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"}))
+	caddyhttp.NewTestReplacer(r)
+	w1, w2 := &headerWriter{h: http.Header{}}, &headerWriter{h: http.Header{}}
+	err := outer.ServeHTTP(w1, r, caddyhttp.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) error {
+		return inner.ServeHTTP(w2, r, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil }))
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		h                                    http.Header
+		name, limit, remaining, policyHeader string
+	}{
+		{w1.h, "ph_hdr_outer", "12345", "12344", `"ph_hdr_outer";q=12345;w=60`},
+		{w2.h, long, "7", "6", `"` + long + `";q=7;w=60`},
+	} {
+		for field, want := range map[string]string{
+			"X-Ratelimit-Limit":     tc.limit,
+			"X-Ratelimit-Remaining": tc.remaining,
+			"Ratelimit-Policy":      tc.policyHeader,
+		} {
+			if got := tc.h.Values(field); len(got) != 1 || got[0] != want {
+				t.Errorf("%s: %s = %q, want [%q]", tc.name, field, got, want)
+			}
+		}
+		if got, want := tc.h.Get("RateLimit"), `"`+tc.name+`";r=`+tc.remaining+`;t=`; !strings.HasPrefix(got, want) || (got != want+"60" && got != want+"59") {
+			t.Errorf("%s: RateLimit = %q, want %s60", tc.name, got, want)
+		}
 	}
 }

@@ -3,7 +3,6 @@ package ratelimit
 import (
 	"cmp"
 	"fmt"
-	"net/http"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -309,9 +308,10 @@ func parsePrefix(s string) (netip.Prefix, error) {
 	return netip.PrefixFrom(a, a.BitLen()), nil
 }
 
-// exempt reports whether the client IP is in an exempt range.
-func (rl *RateLimit) exempt(r *http.Request) bool {
-	ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
+// exempt reports whether the client IP of the request whose variables are
+// vars is in an exempt range.
+func (rl *RateLimit) exempt(vars map[string]any) bool {
+	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
 	addr, err := netip.ParseAddr(ip)
 	if err != nil {
 		return false

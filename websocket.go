@@ -168,7 +168,8 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 		// Refused by this handler, if for the cap rather than the rate, so
 		// handle_errors renders it like any refusal.
 		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-			requestVars(r, repl).exceeded = true
+			vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+			requestVars(vars, repl).exceeded = true
 		}
 		w.Header().Set("Retry-After", wsCapRetryAfter)
 		if rl.refuseWebSocket(w, r) {
