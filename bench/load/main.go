@@ -8,8 +8,13 @@
 //
 //	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;…']
 //
-// It needs wrk and, for the Redis scenario, redis-server on the PATH. It
-// builds both Caddys into a temporary directory, starts each on a free
+// The floor scenarios run B on a third build with a handler that does
+// nothing (rate_limit with enabled false) or nothing but the Redis round
+// trip (bench/redisfloor): what Caddy and go-redis cost before any limiter
+// decides anything.
+//
+// It needs wrk and, for the Redis scenarios, redis-server on the PATH. It
+// builds the Caddys into a temporary directory, starts each on a free
 // loopback port (checking that the answers come from the Caddy it started:
 // Caddy binds with SO_REUSEPORT, so a port another server holds would be
 // shared silently), and starts its own redis-server.
@@ -45,9 +50,13 @@ type scenario struct {
 	clients int    // distinct X-Client values (bench/clients.lua); 0: one client, no header
 	xff     bool   // send the clients as IPv4 addresses in X-Forwarded-For, trusted from loopback (both builds)
 	redis   bool
+	floor   bool // run B on the floor build (bench/floorcaddy), for redis_floor
 }
 
 var scenarios = []scenario{
+	// The floor: Caddy's own cost of one more handler in the route, which
+	// passes every request on. No rate limiter in Caddy can cost less.
+	{name: "floor: enabled false, one client", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tenabled false\n\t}"},
 	{name: "admitted, one client", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t}"},
 	{name: "admitted, one client, headers none", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\theaders none\n\t}"},
 	{name: "refused, one client flooding", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1\n\t}"},
@@ -59,6 +68,11 @@ var scenarios = []scenario{
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline on\n\t\t}\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
+	// The floor of any limiter that asks Redis once per request: the same
+	// round trip (EVALSHA, one key, the same client settings) running
+	// return 1, and no limiter.
+	{name: "floor: Redis round trip, return 1, pipeline on", clients: 100_000, redis: true, floor: true, limit: "redis_floor $REDIS pipeline"},
+	{name: "floor: Redis round trip, return 1, pipeline off", clients: 100_000, redis: true, floor: true, limit: "redis_floor $REDIS"},
 }
 
 // result is one run's figures.
@@ -91,8 +105,8 @@ func main() {
 		log.Fatal(err)
 	}
 	defer os.RemoveAll(dir)
-	bare, with := filepath.Join(dir, "caddy-bare"), filepath.Join(dir, "caddy-rate-limit")
-	for bin, pkg := range map[string]string{bare: "./bench/barecaddy", with: "./cmd/caddy"} {
+	bare, with, floor := filepath.Join(dir, "caddy-bare"), filepath.Join(dir, "caddy-rate-limit"), filepath.Join(dir, "caddy-floor")
+	for bin, pkg := range map[string]string{bare: "./bench/barecaddy", with: "./cmd/caddy", floor: "./bench/floorcaddy"} {
 		log.Printf("building %s", pkg)
 		cmd := exec.Command("go", "build", "-o", bin, pkg)
 		cmd.Dir, cmd.Stdout, cmd.Stderr = root, os.Stderr, os.Stderr
@@ -123,6 +137,9 @@ func main() {
 				bin, block := bare, ""
 				if side == "B" {
 					bin, block = with, strings.ReplaceAll(sc.limit, "$REDIS", redisAddr)
+					if sc.floor {
+						bin = floor
+					}
 				}
 				r := run(dir, bin, block, sc, lua, *conns, *duration)
 				if sc.redis && side == "B" {
