@@ -17,6 +17,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -657,9 +658,12 @@ var fixedHash any = fixedScript.Hash()
 // It allocates what it must (the arguments, the two keys in one string,
 // each boxed) and boxes the limit's max and window once per limit.
 func (s *RedisStore) fixedCmd(c *Check, now time.Time) []any {
-	base := s.base(c.Name, s.tag(c.Key))
-	keys := base + "c" + base + "r"
-	n := len(base) + 1
+	tag := s.tag(c.Key)
+	k := make([]byte, 0, 2*(baseLen(s.prefix, c.Name, tag)+1))
+	k = append(s.appendBase(k, c.Name, tag), 'c')
+	n := len(k)
+	k = append(s.appendBase(k, c.Name, tag), 'r')
+	keys := unsafe.String(unsafe.SliceData(k), len(k)) // k is not written again
 	b := s.boxedLimit(&c.Limit)
 	var cutoff any = b.windowAny
 	if ms := c.Limit.cutoffIn(now).Milliseconds(); ms != b.window {
@@ -1071,10 +1075,30 @@ func (s *RedisStore) tag(key string) string {
 // keys of one client in every limit. A zone's first limit (name "") has no
 // name in its keys.
 func (s *RedisStore) base(name, tag string) string {
-	if name == "" {
-		return s.prefix + "{" + tag + "}:"
+	b := s.appendBase(make([]byte, 0, baseLen(s.prefix, name, tag)), name, tag)
+	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not written again
+}
+
+// baseLen is the length of base(name, tag) with prefix.
+func baseLen(prefix, name, tag string) int {
+	n := len(prefix) + len(tag) + 3 // {tag}:
+	if name != "" {
+		n += len(name) + 2 // @name:
 	}
-	return s.prefix + "@" + name + ":{" + tag + "}:"
+	return n
+}
+
+// appendBase appends base(name, tag) to b.
+func (s *RedisStore) appendBase(b []byte, name, tag string) []byte {
+	b = append(b, s.prefix...)
+	if name != "" {
+		b = append(b, '@')
+		b = append(b, name...)
+		b = append(b, ':')
+	}
+	b = append(b, '{')
+	b = append(b, tag...)
+	return append(b, "}:"...)
 }
 
 // parseKey splits a count or ban key the store wrote into the limit name

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -100,5 +101,32 @@ func TestRedisScriptsReloaded(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// The decision's two keys are base(name, tag) + "c" and + "r", cut from one
+// string, and base is built in one allocation of its exact length.
+func TestRedisKeysBuiltOnce(t *testing.T) {
+	s := &RedisStore{prefix: "rl:zone:"}
+	now := time.Now()
+	for _, name := range []string{"", "burst"} {
+		for _, key := range []string{"203.0.113.9", "key:" + strings.Repeat("é", 40)} {
+			base := s.base(name, key)
+			want := "rl:zone:{" + key + "}:"
+			if name != "" {
+				want = "rl:zone:@" + name + ":{" + key + "}:"
+			}
+			if base != want {
+				t.Fatalf("base(%q, %q) = %q, want %q", name, key, base, want)
+			}
+			if n := testing.AllocsPerRun(20, func() { _ = s.base(name, key) }); n != 1 {
+				t.Errorf("base(%q, %q) allocates %v times, want 1", name, key, n)
+			}
+			c := &Check{Name: name, Key: key, Limit: Limit{Max: 10, Window: time.Minute}}
+			cmd := s.fixedCmd(c, now)
+			if cmd[3] != base+"c" || cmd[4] != base+"r" {
+				t.Errorf("fixedCmd keys %q, %q; want %q, %q", cmd[3], cmd[4], base+"c", base+"r")
+			}
+		}
 	}
 }
