@@ -8,9 +8,9 @@
 //
 //	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;…']
 //
-// The floor scenarios run B on a third build with a handler that does
-// nothing (rate_limit with enabled false) or nothing but the Redis round
-// trip (bench/redisfloor): what Caddy and go-redis cost before any limiter
+// The floor scenarios give B a handler that does nothing (rate_limit with
+// enabled false) or, on a third build, nothing but the Redis round trip
+// (bench/redisfloor): what Caddy and go-redis cost before any limiter
 // decides anything.
 //
 // It needs wrk and, for the Redis scenarios, redis-server on the PATH. It
