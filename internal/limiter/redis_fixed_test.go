@@ -3,7 +3,6 @@ package limiter
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"testing"
 	"time"
@@ -17,23 +16,30 @@ import (
 // one fixed-window check that does not ban, on a real Redis: from the same
 // keys (none, a count in or over its window, one without an expiry, a GCRA
 // arrival time, a refused tally), with every cutoff and cost, both return the
-// same results and leave the same keys behind.
+// same results and leave the same keys behind, in every combination.
 func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
 	t.Parallel()
 	srv := redistest.StartReal(t, "the scripts' equivalence needs a real Redis")
 	ctx := context.Background()
 	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer client.Close()
-	r := rand.New(rand.NewPCG(7, 11))
 	// within reports whether two times to live, read a moment apart, agree.
 	within := func(a, b int64) bool { return a == b || (a > 0 && b > 0 && a-b < 200 && b-a < 200) }
-	for i := range 600 {
-		max, window := []int{1, 2, 5}[r.IntN(3)], []int64{1000, 5000}[r.IntN(2)]
-		cutoff := []int64{-1, 0, 500, 3000, 10_000}[r.IntN(5)]
-		cost := 1 + r.IntN(3)
-		count := []string{"", "0", "1", "4", "5", "6", "3000000000"}[r.IntN(7)]
-		ttl := []int64{0, 300, 2000, 8000}[r.IntN(4)] // 0: no expiry
-		refused := []string{"", "1", "7"}[r.IntN(3)]
+	maxes, windows := []int{1, 2, 5}, []int64{1000, 5000}
+	cutoffs := []int64{-1, 0, 500, 3000, 10_000}
+	counts := []string{"", "0", "1", "4", "5", "6", "3000000000"}
+	ttls := []int64{0, 300, 2000, 8000} // 0: no expiry
+	refuseds := []string{"", "1", "7"}
+	// Every combination of them, with costs 1 to 3.
+	cases := len(maxes) * len(windows) * len(cutoffs) * len(counts) * len(ttls) * len(refuseds) * 3
+	for i := range cases {
+		rest := i
+		pick := func(n int) int { k := rest % n; rest /= n; return k }
+		max, window := maxes[pick(len(maxes))], windows[pick(len(windows))]
+		cutoff := cutoffs[pick(len(cutoffs))]
+		count, ttl := counts[pick(len(counts))], ttls[pick(len(ttls))]
+		refused := refuseds[pick(len(refuseds))]
+		cost := 1 + pick(3)
 		var res [2][]int64
 		var state [2][4]int64
 		for side, script := range []*redis.Script{hitScript, fixedScript} {
