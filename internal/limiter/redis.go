@@ -393,7 +393,8 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 	}
 	ctx = s.decisionCtx()
 	if fixedOne(checks) {
-		res, err := s.runCmd(ctx, fixedScript, s.fixedCmd(&checks[0], now))
+		var buf [7]int64 // the reply, off the heap
+		res, err := s.runCmd(ctx, fixedScript, s.fixedCmd(&checks[0], now), buf[:0])
 		if err != nil {
 			return err
 		}
@@ -648,7 +649,7 @@ func (s *RedisStore) runScript(ctx context.Context, script *redis.Script, keys [
 	for _, k := range keys {
 		full = append(full, k)
 	}
-	return s.runCmd(ctx, script, append(full, args...))
+	return s.runCmd(ctx, script, append(full, args...), nil)
 }
 
 // fixedHash is fixedScript's SHA1, boxed once for every command.
@@ -693,8 +694,9 @@ func (s *RedisStore) boxedLimit(l *Limit) *boxedLimit {
 
 // runCmd runs script's EVALSHA command full ("evalsha", its hash, the
 // number of keys, the keys, the arguments), through the auto-pipeliner
-// when the store has one, and loads the script when Redis lacks it.
-func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []any) ([]int64, error) {
+// when the store has one, and loads the script when Redis lacks it. The
+// script's integers are appended to into[:0].
+func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []any, into []int64) ([]int64, error) {
 	cmd := redis.NewCmd(ctx, full...)
 	cmd.SetFirstKeyPos(3) // the first key, for a Cluster's slot
 	var err error
@@ -718,7 +720,19 @@ func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []an
 		}
 		return nil, err
 	}
-	return cmd.Int64Slice()
+	vals, err := cmd.Slice()
+	if err != nil {
+		return nil, err
+	}
+	res := into[:0]
+	for _, v := range vals {
+		n, ok := v.(int64)
+		if !ok {
+			return nil, fmt.Errorf("redis store: script reply holds %T, not an integer", v)
+		}
+		res = append(res, n)
+	}
+	return res, nil
 }
 
 // fallback decides without Redis, as on_error says.
