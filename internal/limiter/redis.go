@@ -656,8 +656,11 @@ func (s *RedisStore) runScript(ctx context.Context, script *redis.Script, keys [
 var fixedHash any = fixedScript.Hash()
 
 // fixedCmd returns the EVALSHA command of fixedScript for check c at now.
-// It allocates what it must (the arguments, the two keys in one string,
-// each boxed) and boxes the limit's max and window once per limit.
+// It allocates what it must: the two keys in one string, and the arguments
+// with the keys' headers, which the arguments hold as *string (go-redis
+// writes them, and finds a Cluster slot from them, as strings) so that they
+// are not boxed one by one. The limit's max and window are boxed once per
+// limit.
 func (s *RedisStore) fixedCmd(c *Check, now time.Time) []any {
 	tag := s.tag(c.Key)
 	k := make([]byte, 0, 2*(baseLen(s.prefix, c.Name, tag)+1))
@@ -670,7 +673,17 @@ func (s *RedisStore) fixedCmd(c *Check, now time.Time) []any {
 	if ms := c.Limit.cutoffIn(now).Milliseconds(); ms != b.window {
 		cutoff = ms // a reload shortened the window
 	}
-	return []any{"evalsha", fixedHash, 2, keys[:n], keys[n:], b.maxAny, b.windowAny, cutoff, c.cost()}
+	a := new(fixedArgs)
+	a.keys = [2]string{keys[:n], keys[n:]}
+	a.args = [...]any{"evalsha", fixedHash, 2, &a.keys[0], &a.keys[1], b.maxAny, b.windowAny, cutoff, c.cost()}
+	return a.args[:]
+}
+
+// fixedArgs is fixedCmd's command in one allocation: its arguments, and the
+// two keys they point to.
+type fixedArgs struct {
+	args [9]any
+	keys [2]string
 }
 
 // boxedLimit is a limit's max and window in milliseconds, boxed as script
@@ -714,7 +727,12 @@ func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []an
 			n := full[2].(int)
 			keys := make([]string, n)
 			for i := range keys {
-				keys[i] = full[3+i].(string)
+				switch k := full[3+i].(type) {
+				case string:
+					keys[i] = k
+				case *string: // fixedCmd's
+					keys[i] = *k
+				}
 			}
 			return script.Run(ctx, s.client, keys, full[3+n:]...).Int64Slice()
 		}

@@ -111,7 +111,8 @@ func TestRedisScriptsReloaded(t *testing.T) {
 }
 
 // The decision's two keys are base(name, tag) + "c" and + "r", cut from one
-// string, and base is built in one allocation of its exact length.
+// string (the command holds them as *string), and base is built in one
+// allocation of its exact length.
 func TestRedisKeysBuiltOnce(t *testing.T) {
 	s := &RedisStore{prefix: "rl:zone:"}
 	now := time.Now()
@@ -130,8 +131,10 @@ func TestRedisKeysBuiltOnce(t *testing.T) {
 			}
 			c := &Check{Name: name, Key: key, Limit: Limit{Max: 10, Window: time.Minute}}
 			cmd := s.fixedCmd(c, now)
-			if cmd[3] != base+"c" || cmd[4] != base+"r" {
-				t.Errorf("fixedCmd keys %q, %q; want %q, %q", cmd[3], cmd[4], base+"c", base+"r")
+			ck, ok1 := cmd[3].(*string)
+			rk, ok2 := cmd[4].(*string)
+			if !ok1 || !ok2 || *ck != base+"c" || *rk != base+"r" {
+				t.Errorf("fixedCmd keys %v, %v; want %q, %q", cmd[3], cmd[4], base+"c", base+"r")
 			}
 		}
 	}
