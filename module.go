@@ -466,7 +466,8 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	bp := &rl.policies[of[m]]
 	reset := bp.resetOf(ceilSeconds(v.Reset.UnixNano()))
 	st := requestVars(vars, repl)
-	rl.setHeaders(w.Header(), st.headerText(), bp, v, reset, now)
+	text := st.headerText()
+	rl.setHeaders(w.Header(), text, bp, v, reset, now)
 	st.placeholders = placeholders{
 		zone:      rl.policies[0].nameAny, // the first limit is named after the zone
 		policy:    bp.nameAny,
@@ -500,7 +501,8 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 			wait = max(wait, out[i].RetryAfter) // until every refusing limit admits
 		}
 	}
-	w.Header().Set("Retry-After", strconv.FormatInt(max(ceilSeconds(int64(wait)), 1), 10))
+	text.vals[5] = text.number(max(ceilSeconds(int64(wait)), 1))
+	w.Header()["Retry-After"] = text.vals[5:6:6]
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil
 	}
@@ -539,11 +541,28 @@ type requestState struct {
 
 // headerText holds one response's quota header values: the header map's
 // value slices are cut from vals, and the values computed per request are
-// written into buf. Once a handler has set them they are never written
-// again, so the strings that point into buf stay as they were.
+// written into buf, after the n bytes in use. Bytes in use are never
+// written again, so the strings that point into buf stay as they were.
 type headerText struct {
-	vals [5]string
-	buf  [64]byte
+	vals [6]string // the legacy three, RateLimit-Policy, RateLimit, Retry-After
+	n    int
+	buf  [48]byte // the request's state stays in a 256-byte size class
+}
+
+// number returns v's digits, written into buf when they fit there (else
+// on the heap).
+func (t *headerText) number(v int64) string {
+	return t.keep(strconv.AppendInt(t.buf[t.n:t.n], v, 10))
+}
+
+// keep returns b, appended to the unused part of buf, as a string, and
+// marks its bytes in use when they are buf's (an append past buf's end
+// copied them to the heap).
+func (t *headerText) keep(b []byte) string {
+	if len(b) <= len(t.buf)-t.n {
+		t.n += len(b)
+	}
+	return unsafe.String(unsafe.SliceData(b), len(b))
 }
 
 // headerText returns the header values for this handler: the ones kept
@@ -718,8 +737,7 @@ func (rl *RateLimit) setHeaders(h http.Header, t *headerText, p *policy, v limit
 	// send them; header names are case-insensitive. Each value slice is
 	// capped to its own element of t.vals, so that appending to one
 	// copies it rather than overwrite the next.
-	b := strconv.AppendInt(t.buf[:0], int64(v.Remaining), 10)
-	remaining := unsafe.String(unsafe.SliceData(b), len(b))
+	remaining := t.number(int64(v.Remaining))
 	if rl.legacyHeaders {
 		t.vals[0], t.vals[1], t.vals[2] = p.maxStr, remaining, reset.text
 		h["X-Ratelimit-Limit"] = t.vals[0:1:1]
@@ -730,13 +748,12 @@ func (rl *RateLimit) setHeaders(h http.Header, t *headerText, p *policy, v limit
 		left := max(ceilSeconds(int64(v.Reset.Sub(now))), 0)
 		// Written after remaining's digits in buf (or into a new array
 		// when a long limit name overflows it).
-		rest := b[len(b):]
-		rest = append(rest, p.quoted...)
-		rest = append(rest, ";r="...)
-		rest = append(rest, remaining...)
-		rest = append(rest, ";t="...)
-		rest = strconv.AppendInt(rest, left, 10)
-		t.vals[3], t.vals[4] = rl.policyHeader, unsafe.String(unsafe.SliceData(rest), len(rest))
+		b := append(t.buf[t.n:t.n], p.quoted...)
+		b = append(b, ";r="...)
+		b = append(b, remaining...)
+		b = append(b, ";t="...)
+		b = strconv.AppendInt(b, left, 10)
+		t.vals[3], t.vals[4] = rl.policyHeader, t.keep(b)
 		h["Ratelimit-Policy"] = t.vals[3:4:4]
 		h["Ratelimit"] = t.vals[4:5:5]
 	}

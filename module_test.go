@@ -379,3 +379,39 @@ func TestHeaderValuesPerHandler(t *testing.T) {
 		}
 	}
 }
+
+// A refusal's values share the request's buffer: the remaining count, the
+// RateLimit field and Retry-After each keep their own bytes.
+func TestHeaderValuesOfRefusal(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	rl := &RateLimit{Zone: "hdr_refusal", Max: 1, Window: caddy.Duration(time.Minute), Headers: HeadersBoth}
+	if err := rl.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer rl.Cleanup()
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	var h http.Header
+	for i := range 2 {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"}))
+		caddyhttp.NewTestReplacer(r)
+		w := &headerWriter{h: http.Header{}}
+		err := rl.ServeHTTP(w, r, next)
+		if (err != nil) != (i == 1) {
+			t.Fatalf("request %d: ServeHTTP = %v", i+1, err)
+		}
+		h = w.h
+	}
+	ra := h.Get("Retry-After")
+	if ra != "60" && ra != "59" {
+		t.Errorf("Retry-After = %q, want 60", ra)
+	}
+	if got := h.Get("X-Ratelimit-Remaining"); got != "0" {
+		t.Errorf("X-RateLimit-Remaining = %q, want 0", got)
+	}
+	if got := h.Get("RateLimit"); got != `"hdr_refusal";r=0;t=`+ra {
+		t.Errorf("RateLimit = %q, want %q", got, `"hdr_refusal";r=0;t=`+ra)
+	}
+}
