@@ -429,13 +429,13 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		if key == "" {
 			continue
 		}
+		d.n = n + 1 // before the key is written: release clears it
 		checks[n], of[n] = p.check, i
 		checks[n].Key = key
 		if p.costKey != "" {
 			checks[n].Cost = rl.requestCost(p, repl)
 		}
 		n++
-		d.n = n
 	}
 	if n == 0 {
 		return next.ServeHTTP(w, r) // nothing to count it by

@@ -1,8 +1,10 @@
 -- The decision script of the common case: one fixed-window limit that does
 -- not ban. It follows redis.lua's rules for that case exactly, with the same
--- 7 results, in under half Redis's time: no tables, no parsing, and no read
--- of the count. It adds the cost first and takes it back when the limit
--- refuses, so an admitted request costs Redis two calls (PTTL, INCRBY).
+-- 7 results, in little more than half Redis's time: no tables, no parsing,
+-- and no read of the count. It adds the cost first and takes it back when
+-- the limit refuses, so an admitted request in a running window costs Redis
+-- two calls (PTTL, INCRBY), and a refusal writes the count twice (refusals
+-- are rare here: a refused key is refused in-process until its window ends).
 --
 --   KEYS[1] count key, KEYS[2] refused key
 --   ARGV: max; window in milliseconds; cutoff (as in redis.lua); cost
