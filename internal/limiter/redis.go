@@ -707,35 +707,17 @@ func (s *RedisStore) boxedLimit(l *Limit) *boxedLimit {
 
 // runCmd runs script's EVALSHA command full ("evalsha", its hash, the
 // number of keys, the keys, the arguments), through the auto-pipeliner
-// when the store has one, and loads the script when Redis lacks it. The
-// script's integers are appended to into[:0].
+// when the store has one; when Redis lacks the script (NOSCRIPT, after a
+// restart) it loads it and sends the command again. The script's integers
+// are appended to into[:0].
 func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []any, into []int64) ([]int64, error) {
-	cmd := redis.NewCmd(ctx, full...)
-	cmd.SetFirstKeyPos(3) // the first key, for a Cluster's slot
-	var err error
-	if s.pipe == nil {
-		err = s.client.Process(ctx, cmd)
-	} else {
-		if err := ctx.Err(); err != nil {
-			return nil, err // once queued, the command would run all the same
+	cmd, err := s.send(ctx, full)
+	if redis.HasErrorPrefix(err, "NOSCRIPT") {
+		if err = script.Load(ctx, s.client).Err(); err == nil {
+			cmd, err = s.send(ctx, full)
 		}
-		err = s.pipe.Submit(ctx, cmd).WaitContext(ctx)
 	}
 	if err != nil {
-		if redis.HasErrorPrefix(err, "NOSCRIPT") {
-			// A Redis that lost its scripts (a restart): Run loads it.
-			n := full[2].(int)
-			keys := make([]string, n)
-			for i := range keys {
-				switch k := full[3+i].(type) {
-				case string:
-					keys[i] = k
-				case *string: // fixedCmd's
-					keys[i] = *k
-				}
-			}
-			return script.Run(ctx, s.client, keys, full[3+n:]...).Int64Slice()
-		}
 		return nil, err
 	}
 	vals, err := cmd.Slice()
@@ -751,6 +733,20 @@ func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []an
 		res = append(res, n)
 	}
 	return res, nil
+}
+
+// send sends the command full, its first key at index 3, through the
+// auto-pipeliner when the store has one.
+func (s *RedisStore) send(ctx context.Context, full []any) (*redis.Cmd, error) {
+	cmd := redis.NewCmd(ctx, full...)
+	cmd.SetFirstKeyPos(3) // the first key, for a Cluster's slot
+	if s.pipe == nil {
+		return cmd, s.client.Process(ctx, cmd)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err // once queued, the command would run all the same
+	}
+	return cmd, s.pipe.Submit(ctx, cmd).WaitContext(ctx)
 }
 
 // fallback decides without Redis, as on_error says.
