@@ -506,7 +506,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil
 	}
-	if srv, ok := r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && srv != nil && (srv.Errors == nil || len(srv.Errors.Routes) == 0) {
+	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && srv != nil && (srv.Errors == nil || len(srv.Errors.Routes) == 0) {
 		// No handle_errors to render the refusal: it is written here, as
 		// Caddy would write it (the status, no body), without Caddy's
 		// error path (a request clone, a logger clone, error fields) for
