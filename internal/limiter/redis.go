@@ -712,7 +712,8 @@ func (s *RedisStore) boxedLimit(l *Limit) *boxedLimit {
 // are appended to into[:0].
 func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []any, into []int64) ([]int64, error) {
 	cmd, err := s.send(ctx, full)
-	if redis.HasErrorPrefix(err, "NOSCRIPT") {
+	// HasErrorPrefix allocates even for nil: it is asked only on an error.
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		if err = script.Load(ctx, s.client).Err(); err == nil {
 			cmd, err = s.send(ctx, full)
 		}
