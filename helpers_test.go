@@ -12,12 +12,16 @@ import (
 )
 
 // provisionHandler provisions a handler for zone with max requests per
-// minute, as Caddy would, and cleans it up when the test ends. Each test
-// names its own zone, since zones are process-global.
-func provisionHandler(t testing.TB, zoneName string, max int, enabled bool) (*RateLimit, caddy.Context) {
+// minute, as Caddy would, with the options applied to it first, and cleans
+// it up when the test ends. Each test names its own zone, since zones are
+// process-global.
+func provisionHandler(t testing.TB, zoneName string, max int, enabled bool, options ...func(*RateLimit)) (*RateLimit, caddy.Context) {
 	t.Helper()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	rl := &RateLimit{Zone: zoneName, Max: max, Window: caddy.Duration(time.Minute), MaxTracked: 200_000, Enabled: &enabled}
+	for _, o := range options {
+		o(rl)
+	}
 	if err := rl.Provision(ctx); err != nil {
 		t.Fatalf("provisioning zone %q: %v", zoneName, err)
 	}

@@ -49,10 +49,12 @@ func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct {
 		name string
 		max  int
-	}{{"allowed", MaxRequests}, {"refused", 1}} {
+		key  string
+	}{{"allowed", MaxRequests, ""}, {"refused", 1, ""}, {"header-key", MaxRequests, "{http.request.header.X-Client}"}} {
 		b.Run(tc.name, func(b *testing.B) {
-			rl, _ := provisionHandler(b, "bench_"+tc.name, tc.max, true)
+			rl, _ := provisionHandler(b, "bench_"+tc.name, tc.max, true, func(rl *RateLimit) { rl.Key = tc.key })
 			base := httptest.NewRequest(http.MethodGet, "/", nil)
+			base.Header.Set("X-Client", "client-12345")
 			w := &headerWriter{h: http.Header{}}
 			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 			b.ReportAllocs()
