@@ -421,7 +421,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	n := 0
 	for i := range rl.policies {
 		p := &rl.policies[i]
-		key, err := p.resolve(repl, ipKey)
+		key, err := p.resolve(repl, r.Header, ipKey)
 		if err != nil {
 			rl.zone.count(resultInvalid)
 			return caddyhttp.Error(http.StatusBadRequest, err)

