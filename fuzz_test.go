@@ -44,8 +44,9 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 }
 
 // FuzzClientIPKey checks that a key is derived from any client address
-// without a crash, that IPv6 keys never depend on the bits past the prefix,
-// and that the result is never empty for a non-empty address.
+// without a crash, that an IPv4 address or anything that is not an IP
+// address is its own key, that IPv6 keys never depend on the bits past the
+// prefix, and that the result is never empty for a non-empty address.
 func FuzzClientIPKey(f *testing.F) {
 	f.Add("203.0.113.9", 64)
 	f.Add("2001:db8::1", 64)
@@ -59,6 +60,9 @@ func FuzzClientIPKey(f *testing.F) {
 			t.Fatalf("clientIPKey(%q, %d) is empty", ip, prefix)
 		}
 		addr, err := netip.ParseAddr(ip)
+		if (err != nil || addr.Is4()) && key != ip {
+			t.Fatalf("clientIPKey(%q, %d) = %q, want the address as it is", ip, prefix, key)
+		}
 		if err != nil || !addr.Is6() || addr.Is4In6() || prefix == 128 {
 			return
 		}
