@@ -1,5 +1,6 @@
 // Command floorcaddy is Caddy with the rate_limit module and, for bench/load
-// only, the redis_floor handler (bench/redisfloor).
+// only, the redis_floor and quota_floor handlers (bench/redisfloor,
+// bench/headerfloor).
 package main
 
 import (
@@ -8,6 +9,7 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
 	_ "github.com/caddy-rate-limit/caddy-rate-limit"
+	_ "github.com/caddy-rate-limit/caddy-rate-limit/bench/headerfloor"
 	_ "github.com/caddy-rate-limit/caddy-rate-limit/bench/redisfloor"
 )
 

@@ -9,9 +9,10 @@
 //	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;…']
 //
 // The floor scenarios give B a handler that does nothing (rate_limit with
-// enabled false) or, on a third build, nothing but the Redis round trip
-// (bench/redisfloor): what Caddy and go-redis cost before any limiter
-// decides anything.
+// enabled false) or, on a third build, nothing but the quota headers
+// (bench/headerfloor) or the Redis round trip (bench/redisfloor): what
+// Caddy, net/http, the client and go-redis cost before any limiter decides
+// anything.
 //
 // It needs wrk and, for the Redis scenarios, redis-server on the PATH. It
 // builds the Caddys into a temporary directory, starts each on a free
@@ -50,16 +51,22 @@ type scenario struct {
 	clients int    // distinct X-Client values (bench/clients.lua); 0: one client, no header
 	xff     bool   // send the clients as IPv4 addresses in X-Forwarded-For, trusted from loopback (both builds)
 	redis   bool
-	floor   bool // run B on the floor build (bench/floorcaddy), for redis_floor
+	floor   bool // run B on the floor build (bench/floorcaddy), for quota_floor and redis_floor
 }
 
 var scenarios = []scenario{
 	// The floor: Caddy's own cost of one more handler in the route, which
 	// passes every request on. No rate limiter in Caddy can cost less.
 	{name: "floor: enabled false, one client", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tenabled false\n\t}"},
+	// The floor of any limiter that sends the default quota headers: the
+	// same three headers, values of the same lengths, no decision
+	// (bench/headerfloor).
+	{name: "floor: quota headers, one client", floor: true, limit: "quota_floor"},
 	{name: "admitted, one client", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t}"},
 	{name: "admitted, one client, headers none", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\theaders none\n\t}"},
 	{name: "refused, one client flooding", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1\n\t}"},
+	// The floor of a refusal: the same 429 and headers, no decision.
+	{name: "floor: quota headers, refused", floor: true, limit: "quota_floor refuse"},
 	{name: "admitted, 100000 clients", clients: 100_000,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"},
 	{name: "admitted, 1000000 IPv4 clients", clients: 1_000_000, xff: true,
