@@ -47,12 +47,18 @@ func TestNoKeyNotCounted(t *testing.T) {
 // refused one.
 func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct {
-		name string
-		max  int
-		key  string
-	}{{"allowed", MaxRequests, ""}, {"refused", 1, ""}, {"header-key", MaxRequests, "{http.request.header.X-Client}"}} {
+		name     string
+		max      int
+		key      string
+		disabled bool // the floor: the harness and a handler that passes the request on
+	}{
+		{"allowed", MaxRequests, "", false},
+		{"refused", 1, "", false},
+		{"header-key", MaxRequests, "{http.request.header.X-Client}", false},
+		{"disabled", MaxRequests, "", true},
+	} {
 		b.Run(tc.name, func(b *testing.B) {
-			rl, _ := provisionHandler(b, "bench_"+tc.name, tc.max, true, func(rl *RateLimit) { rl.Key = tc.key })
+			rl, _ := provisionHandler(b, "bench_"+tc.name, tc.max, !tc.disabled, func(rl *RateLimit) { rl.Key = tc.key })
 			base := httptest.NewRequest(http.MethodGet, "/", nil)
 			base.Header.Set("X-Client", "client-12345")
 			w := &headerWriter{h: http.Header{}}
