@@ -167,9 +167,12 @@ func (p *policy) resolve(repl *caddy.Replacer, h http.Header, ipKey string) (str
 	if p.key != "" {
 		var k string
 		if p.header != "" {
-			// As Caddy's replacer resolves the placeholder (the values
-			// joined with commas), without asking each of its providers
-			// and boxing the value: 175 ns and 2 allocations less.
+			// As Caddy's HTTP placeholders resolve it (the values
+			// joined with commas), without asking each of the
+			// replacer's providers and boxing the value: 1,558
+			// instructions and 2 allocations less (bench/instructions.sh).
+			// A value set with the replacer's Set under the header's
+			// placeholder name, which no Caddy module does, is not read.
 			k = strings.Join(h[p.header], ",")
 		} else {
 			k = repl.ReplaceAll(p.key, "")
