@@ -223,9 +223,10 @@ type RateLimit struct {
 	exemptRanges               []netip.Prefix
 	// errLimited is the error of every refusal, built once: a flood of
 	// refused requests formats nothing. The key is in the log line and the
-	// placeholders. refusal is the handler error that carries it.
+	// placeholders. refusal is the handler error that carries it, boxed
+	// once: returning the struct as an error would allocate every time.
 	errLimited error
-	refusal    caddyhttp.HandlerError
+	refusal    error
 	logger     *zap.Logger
 
 	// events is the config's events app, nil when it has none. Emitting
