@@ -321,3 +321,44 @@ func TestValidateWebSocket(t *testing.T) {
 		}
 	}
 }
+
+// A WebSocket refused for the socket cap, not the rate, shows as exceeded in
+// its placeholders, as handle_errors renders any refusal; the socket it was
+// refused beside still shows as admitted.
+func TestWSCapRefusalExceeded(t *testing.T) {
+	rl, _ := provisionHandler(t, "ws_cap_exceeded", MaxRequests, true, func(rl *RateLimit) { rl.WSMaxConnectionsPerIP = 1 })
+	wsRequest := func() (*http.Request, *caddy.Replacer) {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.Header.Set("Connection", "Upgrade")
+		r.Header.Set("Upgrade", "websocket")
+		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"}))
+		return r, caddyhttp.NewTestReplacer(r)
+	}
+	first, firstRepl := wsRequest()
+	var refusal error
+	var exceeded any
+	err := rl.ServeHTTP(&headerWriter{h: http.Header{}}, first, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		// The first socket is open while next serves it: a second is
+		// over the cap.
+		second, repl := wsRequest()
+		refusal = rl.ServeHTTP(&headerWriter{h: http.Header{}}, second, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+			t.Error("the second socket was served past the cap of 1")
+			return nil
+		}))
+		exceeded, _ = repl.Get("http.rate_limit.exceeded")
+		return nil
+	}))
+	if err != nil {
+		t.Fatalf("first socket: %v", err)
+	}
+	var herr caddyhttp.HandlerError
+	if !errors.As(refusal, &herr) || herr.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("second socket: %v, want a 429 handler error", refusal)
+	}
+	if exceeded != true {
+		t.Errorf("second socket: {http.rate_limit.exceeded} = %v, want true", exceeded)
+	}
+	if v, _ := firstRepl.Get("http.rate_limit.exceeded"); v != false {
+		t.Errorf("first socket: {http.rate_limit.exceeded} = %v, want false", v)
+	}
+}
