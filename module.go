@@ -483,7 +483,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	ws := isWebSocket(r)
 	if ws && (allowed || rl.DryRun) {
-		return rl.serveWebSocket(w, r, next, checks[0].Key, v, allowed)
+		return rl.serveWebSocket(w, r, next, st, checks[0].Key, v, allowed)
 	}
 	if delayed && !v.StoreError {
 		rl.zone.count(resultDelayed)

@@ -16,7 +16,6 @@ import (
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/net/http/httpguts"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
@@ -119,7 +118,9 @@ func (z *zone) wsOpen(key string) int {
 // tunnel ends however it ends), or refuses it when the key already has
 // WSMaxConnectionsPerIP sockets open: in this process, or on a Redis zone
 // across every instance sharing the Redis (a lease per socket).
-func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, key string, v limiter.Verdict, allowed bool) error {
+// st is the request's state: a refusal for the cap marks its placeholders
+// exceeded.
+func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, st *requestState, key string, v limiter.Verdict, allowed bool) error {
 	z := rl.zone
 	localCap := rl.WSMaxConnectionsPerIP
 	var lease limiter.Lease
@@ -167,10 +168,7 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 		}
 		// Refused by this handler, if for the cap rather than the rate, so
 		// handle_errors renders it like any refusal.
-		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-			vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-			requestVars(vars, repl).exceeded = true
-		}
+		st.exceeded = true
 		w.Header().Set("Retry-After", wsCapRetryAfter)
 		if rl.refuseWebSocket(w, r) {
 			return nil
