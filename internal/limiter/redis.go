@@ -666,7 +666,8 @@ func (s *RedisStore) fixedCmd(c *Check, now time.Time) []any {
 	k := make([]byte, 0, 2*(baseLen(s.prefix, c.Name, tag)+1))
 	k = append(s.appendBase(k, c.Name, tag), 'c')
 	n := len(k)
-	k = append(append(k, k[:n-1]...), 'r') // the same base again
+	// The refused key: the same base again.
+	k = append(append(k, k[:n-1]...), 'r')
 	keys := unsafe.String(unsafe.SliceData(k), len(k)) // k is not written again
 	b := s.boxedLimit(&c.Limit)
 	var cutoff any = b.windowAny
