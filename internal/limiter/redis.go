@@ -1354,7 +1354,10 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 			ban:     pipe.PTTL(ctx, base+"b"),
 		}
 	}
-	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
+	// Exec returns the first command's error: one for a missing key, or a
+	// damaged one (WRONGTYPE, see redis.lua), is that row's alone.
+	var reply redis.Error
+	if _, err := pipe.Exec(ctx); err != nil && !errors.As(err, &reply) {
 		return fmt.Errorf("reading redis counters: %w", err)
 	}
 	for i, k := range keys {

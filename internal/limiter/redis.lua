@@ -52,6 +52,42 @@ local function clock()
 	return now_us
 end
 
+-- A key that holds no integer (to Redis: a word, a fraction, a leading
+-- zero, out of int64's range), or is no string, was not written by these
+-- scripts: a hand-made SET, another program's key under the prefix. Failing
+-- on it would fail every decision on that client's key and, three failures
+-- on, degrade the whole store: the limit starts afresh instead, as if the
+-- key were not there (redis_fixed.lua does the same).
+
+-- number returns the integer key k holds, nil when there is no key, and
+-- false when the key is damaged.
+local function number(k)
+	local v = redis.pcall('GET', k)
+	if not v then
+		return nil
+	end
+	if type(v) == 'string' and (v == '0' or string.find(v, '^%-?[1-9]%d*$')) then
+		local x = tonumber(v)
+		if math.abs(x) < 9.2e18 then
+			return x
+		end
+	end
+	return false
+end
+
+-- tally adds one to the tally at key k, or starts a damaged one again at 1.
+local function tally(k)
+	local t = redis.pcall('INCR', k)
+	if type(t) ~= 'table' then
+		return t
+	end
+	if t.err and (string.sub(t.err, 1, 9) == 'WRONGTYPE' or string.find(t.err, 'not an integer', 1, true) or string.find(t.err, 'overflow', 1, true)) then
+		redis.call('SET', k, 1)
+		return 1
+	end
+	error(t) -- out of memory, read-only, ...: the decision fails
+end
+
 local n = #ARGV / 7
 local checks = {}
 local admit = true
@@ -77,7 +113,11 @@ for i = 1, n do
 	if ch.mode == '2' then
 		local now = clock()
 		ch.interval = ch.window * 1000 / ch.max
-		ch.tat = math.max(tonumber(redis.call('GET', c) or '0'), now)
+		local tat = number(c)
+		if tat == false then
+			redis.call('DEL', c, ch.r)
+		end
+		ch.tat = math.max(tat or 0, now)
 		local after = ch.tat + ch.cost * ch.interval
 		ok = ch.cost <= ch.burst and after - now <= ch.burst * ch.interval + 0.5
 		ch.full = ch.tat + ch.interval - now > ch.burst * ch.interval + 0.5
@@ -87,10 +127,11 @@ for i = 1, n do
 		end
 	elseif ch.mode == '1' then
 		local ttl = redis.call('PTTL', c)
-		if ttl > 0 and tonumber(redis.call('GET', c) or '0') > 2e9 then
-			-- A GCRA arrival time, left by a config that changed the
-			-- algorithm: no count is that high (max and cost are at most
-			-- 1e9). The window starts afresh.
+		local v = number(c)
+		if v == false or (ttl > 0 and v > 2e9) then
+			-- Damaged, or a GCRA arrival time, left by a config that
+			-- changed the algorithm: no count is that high (max and cost
+			-- are at most 1e9). The window starts afresh.
 			redis.call('DEL', c, ch.r, ch.p)
 			ttl = -2
 		end
@@ -100,12 +141,16 @@ for i = 1, n do
 			-- a longer time to live, which must not weigh the previous
 			-- count above one.
 			ch.left = math.min(ttl - ch.window, ch.window)
-			ch.count = tonumber(redis.call('GET', c) or '0')
-			ch.prev = tonumber(redis.call('GET', ch.p) or '0')
+			ch.count = v
+			local prev = number(ch.p)
+			if prev == false then
+				redis.call('DEL', ch.p)
+			end
+			ch.prev = prev or 0
 		elseif ttl > 0 then
 			ch.state = 'roll'
 			ch.left = ttl
-			ch.prev = tonumber(redis.call('GET', c) or '0')
+			ch.prev = v
 		else
 			ch.state = 'new'
 			ch.left = ch.window
@@ -114,14 +159,15 @@ for i = 1, n do
 		ch.full = ch.prev * ch.left / ch.window + ch.count + 1 > ch.max
 	else
 		local ttl = redis.call('PTTL', c)
-		if ttl > 0 and tonumber(redis.call('GET', c) or '0') > 2e9 then
-			redis.call('DEL', c, ch.r) -- a GCRA arrival time, as above
-			ttl = -2
+		local v = number(c)
+		if v == false or (ttl > 0 and v > 2e9) then
+			redis.call('DEL', c, ch.r) -- damaged or a GCRA arrival time, as above
+			ttl, v = -2, nil
 		end
 		if ttl > ch.window then
 			if ch.cutoff <= 0 then
 				redis.call('DEL', c, ch.r)
-				ttl = -2
+				ttl, v = -2, nil
 			elseif ch.cutoff < ttl then
 				redis.call('PEXPIRE', c, ch.cutoff)
 				redis.call('PEXPIRE', ch.r, ch.cutoff)
@@ -139,7 +185,7 @@ for i = 1, n do
 			ch.state = 'current'
 		end
 		ch.left = ttl
-		ch.count = tonumber(redis.call('GET', c) or '0')
+		ch.count = v or 0
 		ok = ch.count + ch.cost <= ch.max
 		ch.full = ch.count + 1 > ch.max
 	end
@@ -172,7 +218,7 @@ for i = 1, n do
 			redis.call('SET', c, string.format('%.0f', ch.tat), 'PX', math.ceil((ch.tat - now) / 1000) + 1)
 			redis.call('DEL', r)
 		elseif not ok then
-			refused = redis.call('INCR', r)
+			refused = tally(r)
 			redis.call('PEXPIRE', r, math.max(math.ceil((ch.tat - now) / 1000), ch.retry, ch.banned, 1))
 		end
 		left = math.ceil((ch.tat - now) / 1000)
@@ -209,7 +255,7 @@ for i = 1, n do
 			redis.call('SET', r, 1, 'PX', left)
 			refused = 1
 		else
-			refused = redis.call('INCR', r)
+			refused = tally(r)
 			redis.call('PEXPIRE', r, math.max(left, ch.banned))
 		end
 	end
@@ -218,7 +264,7 @@ for i = 1, n do
 		local strikes = 1
 		local ban = ch.ban
 		if ch.banmax > ch.ban then
-			strikes = redis.call('INCR', ch.s)
+			strikes = tally(ch.s)
 		end
 		while strikes > 1 and ban < ch.banmax do
 			ban = ban * 2

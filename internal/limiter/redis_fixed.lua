@@ -8,6 +8,14 @@
 --
 --   KEYS[1] count key, KEYS[2] refused key
 --   ARGV: max; window in milliseconds; cutoff (as in redis.lua); cost
+
+-- damaged reports whether the error reply e says that a key holds no
+-- integer (or is no string): such a key was not written by these scripts.
+local function damaged(e)
+	local m = e.err
+	return string.sub(m, 1, 9) == 'WRONGTYPE' or string.find(m, 'not an integer', 1, true) ~= nil or string.find(m, 'overflow', 1, true) ~= nil
+end
+
 local c, r = KEYS[1], KEYS[2]
 local max, window, cutoff, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local ttl = redis.call('PTTL', c)
@@ -22,8 +30,19 @@ if ttl > window then
 		ttl = cutoff
 	end
 end
-local count = redis.call('INCRBY', c, cost)
-if ttl > 0 and count - cost > 2e9 then
+local count = redis.pcall('INCRBY', c, cost)
+if type(count) == 'table' then
+	-- Out of memory (this is the first write Redis can refuse for it)
+	-- and the like fail the decision, which has written nothing. Else the
+	-- count key holds no integer (damaged: see redis.lua), and the window
+	-- starts now.
+	if not damaged(count) then
+		return count
+	end
+	redis.call('DEL', c, r)
+	ttl = -2
+	count = redis.call('INCRBY', c, cost)
+elseif ttl > 0 and count - cost > 2e9 then
 	-- A GCRA arrival time, left by a config that changed the algorithm:
 	-- the window starts now.
 	redis.call('DEL', c, r)
@@ -57,7 +76,13 @@ if new then
 	redis.call('PEXPIRE', c, window)
 	redis.call('SET', r, 1, 'PX', left)
 else
-	refused = redis.call('INCR', r)
+	refused = redis.pcall('INCR', r)
+	if type(refused) == 'table' then
+		-- A damaged tally (this script's writes came first: no error
+		-- here is out of memory) starts again.
+		redis.call('SET', r, 1)
+		refused = 1
+	end
 	redis.call('PEXPIRE', r, left)
 end
 return {0, count, left, refused, 0, 0, 0}
