@@ -679,7 +679,12 @@ func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Ver
 			continue
 		}
 		p := &rl.policies[of[i]]
-		rl.zone.countRefusal(p.name)
+		c := p.refusals.Load()
+		if c == nil {
+			c = rl.zone.refusalCounter(p.name)
+			p.refusals.Store(c)
+		}
+		c.Add(1)
 		if !v.FirstRefusal {
 			continue
 		}

@@ -79,6 +79,10 @@ type policy struct {
 	// reset is the last reset written for this limit, formatted and boxed:
 	// requests of one window, or of windows begun in one second, share it.
 	reset *atomic.Pointer[resetText]
+	// refusals is the zone's refusal counter for this limit, found at the
+	// limit's first refusal (the zone's map is looked up once, not per
+	// refused request).
+	refusals *atomic.Pointer[atomic.Uint64]
 
 	countStatus []statusRange // responses that count; nil: every one
 	costKey     string        // the cost placeholder; "" for the constant check.Cost
@@ -95,6 +99,8 @@ func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) p
 		maxStr:  strconv.Itoa(lim.Max),
 		maxAny:  lim.Max,
 		reset:   new(atomic.Pointer[resetText]),
+
+		refusals: new(atomic.Pointer[atomic.Uint64]),
 	}
 	if key != "" && key != "{client_ip}" && key != "{http.vars.client_ip}" {
 		p.key = key

@@ -358,13 +358,14 @@ func (z *zone) countVerdict(allowed, storeError, dryRun bool) {
 	}
 }
 
-// countRefusal records that the named limit refused a request.
-func (z *zone) countRefusal(limit string) {
+// refusalCounter returns the named limit's refusal counter, creating it
+// at the limit's first refusal.
+func (z *zone) refusalCounter(limit string) *atomic.Uint64 {
 	c, ok := z.refusals.Load(limit)
 	if !ok {
 		c, _ = z.refusals.LoadOrStore(limit, new(atomic.Uint64))
 	}
-	c.(*atomic.Uint64).Add(1)
+	return c.(*atomic.Uint64)
 }
 
 // poolKey is the zone's key in zones: its name, and for a Redis zone what
