@@ -1356,8 +1356,7 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 	}
 	// Exec returns the first command's error: one for a missing key, or a
 	// damaged one (WRONGTYPE, see redis.lua), is that row's alone.
-	var reply redis.Error
-	if _, err := pipe.Exec(ctx); err != nil && !errors.As(err, &reply) {
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "WRONGTYPE") {
 		return fmt.Errorf("reading redis counters: %w", err)
 	}
 	for i, k := range keys {
