@@ -21,10 +21,8 @@ import (
 // every combination.
 func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
 	t.Parallel()
-	srv := redistest.StartReal(t, "the scripts' equivalence needs a real Redis")
+	client := realClient(t, "the scripts' equivalence needs a real Redis")
 	ctx := context.Background()
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	defer client.Close()
 	// within reports whether two times to live, read a moment apart, agree.
 	within := func(a, b int64) bool { return a == b || (a > 0 && b > 0 && a-b < 200 && b-a < 200) }
 	maxes, windows := []int{1, 2, 5}, []int64{1000, 5000}
@@ -88,6 +86,15 @@ func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
 	}
 }
 
+// realClient starts a redis-server of the test's own (why: what needs it
+// real) and returns a client of it, closed when the test ends.
+func realClient(t *testing.T, why string) *redis.Client {
+	srv := redistest.StartReal(t, why)
+	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	t.Cleanup(func() { client.Close() })
+	return client
+}
+
 // hashKey, as a value for setValue, makes the key a hash.
 const hashKey = "<hash>"
 
@@ -110,10 +117,8 @@ func setValue(ctx context.Context, t *testing.T, client redis.UniversalClient, k
 // and write nothing: their first write is one Redis refuses then.
 func TestRedisScriptsOutOfMemory(t *testing.T) {
 	t.Parallel()
-	srv := redistest.StartReal(t, "maxmemory")
+	client := realClient(t, "maxmemory")
 	ctx := context.Background()
-	client := redis.NewClient(&redis.Options{Addr: srv.Addr})
-	defer client.Close()
 	states := [][2]string{{"", ""}, {"1", ""}, {"1", "3"}, {"5", ""}, {"5", "3"}} // count, refused (max 5)
 	type key struct{ c, r string }
 	var keys []key
