@@ -408,13 +408,25 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if rl.cutRedis != nil {
 		rl.cutRedis.Do(rl.startRedisCut)
 	}
-	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	ipKey := rl.ipKey(vars)
 	// The checks and verdicts go through the Store interface, so they
 	// would escape to the heap: a pooled buffer keeps a request from
-	// allocating them.
+	// allocating them. It goes back to the pool without a defer: with
+	// serve's many returns in the same function, Go could not open-code
+	// the defer, and one that is not open-coded costs a call into the
+	// runtime on every request. A request whose handlers panic (Caddy
+	// recovers) leaves its buffer to the collector.
 	d := decisions.Get().(*decision)
-	defer d.release()
+	err := rl.serve(w, r, next, d, vars)
+	d.release()
+	return err
+}
+
+// serve decides the request with the buffer d and answers it or passes
+// it on.
+func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, vars map[string]any) error {
+	ctx := r.Context()
+	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	ipKey := rl.ipKey(vars)
 	checks, of, out := &d.checks, &d.of, &d.out
 	// Every limit's key first: a limit that rejects a request without its
 	// key wins whatever the order; a limit with no key at all (no client
