@@ -12,14 +12,13 @@ var (
 )
 
 // mapArena maps size bytes of zeroed anonymous memory, or falls back to
-// the Go heap; it reports whether the memory is mapped.
-func mapArena(size int) ([]byte, bool) {
+// the Go heap. It returns the function that unmaps the memory, nil for heap
+// memory: the munmap of the moment it mapped, so that an arena mapped
+// before a test swapped munmap is never unmapped through the test's.
+func mapArena(size int) ([]byte, func([]byte) error) {
 	b, err := mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
 	if err != nil {
-		return make([]byte, size), false
+		return make([]byte, size), nil
 	}
-	return b, true
+	return b, munmap
 }
-
-// unmapArena unmaps memory mapArena mapped.
-func unmapArena(b []byte) { _ = munmap(b) }

@@ -16,7 +16,7 @@ import (
 // mapped tables are (.ci/run runs it so).
 func TestArenaFallsBackToHeap(t *testing.T) {
 	// Not parallel: it swaps mmap for the package.
-	if a := newArena(1 << 16); !a.mapped {
+	if a := newArena(1 << 16); !a.mapped() {
 		t.Fatal("a 64 KiB mapping failed unforced: the mapped path is not what this test runs beside")
 	} else {
 		a.free()
@@ -58,7 +58,7 @@ func TestArenaFallsBackToHeap(t *testing.T) {
 			}
 			mappedNow := 0
 			for i := range s.shards {
-				if m := s.shards[i].short.mem; m != nil && m.mapped {
+				if m := s.shards[i].short.mem; m != nil && m.mapped() {
 					mappedNow++
 				}
 			}

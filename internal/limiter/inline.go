@@ -258,25 +258,38 @@ func (t *inlineTable) free(h uint32) int {
 // heap instead.
 type arena struct {
 	b       []byte
+	unmap   func([]byte) error // nil: b is on the Go heap
 	cleanup runtime.Cleanup
-	mapped  bool
 }
 
 // newArena returns a zeroed arena of at least size bytes.
 func newArena(size int) *arena {
 	a := &arena{}
-	a.b, a.mapped = mapArena(size)
-	if a.mapped {
-		a.cleanup = runtime.AddCleanup(a, unmapArena, a.b)
+	a.b, a.unmap = mapArena(size)
+	if a.mapped() {
+		a.cleanup = runtime.AddCleanup(a, mapping.release, mapping{a.b, a.unmap})
 	}
 	return a
 }
 
+// mapped reports whether the arena's memory is mapped outside the heap.
+func (a *arena) mapped() bool { return a.unmap != nil }
+
 // free releases the arena's memory now.
 func (a *arena) free() {
-	if a.mapped {
+	if a.mapped() {
 		a.cleanup.Stop()
-		unmapArena(a.b)
+		mapping{a.b, a.unmap}.release()
 	}
 	a.b = nil
 }
+
+// mapping is an arena's mapped memory and the function that unmaps it: an
+// arena's cleanup, which must not hold the arena.
+type mapping struct {
+	b     []byte
+	unmap func([]byte) error
+}
+
+// release unmaps the memory.
+func (m mapping) release() { _ = m.unmap(m.b) }
