@@ -96,9 +96,10 @@ for i = 1, n do
 	local a = 7 * i - 7
 	local ch = {
 		c = KEYS[k], r = KEYS[k + 1], p = KEYS[k + 2],
+		-- The cutoff and the burst stay strings until they are needed:
+		-- each conversion costs Redis a strtod (redis_fixed.lua).
 		max = tonumber(ARGV[a + 1]), window = tonumber(ARGV[a + 2]),
-		cutoff = tonumber(ARGV[a + 3]), mode = ARGV[a + 4],
-		cost = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
+		mode = ARGV[a + 4], cost = tonumber(ARGV[a + 5]),
 		prev = 0, count = 0, retry = 0, banned = 0,
 	}
 	k = k + 3
@@ -111,6 +112,7 @@ for i = 1, n do
 	local c = ch.c
 	local ok
 	if ch.mode == '2' then
+		ch.burst = tonumber(ARGV[a + 6])
 		local now = clock()
 		ch.interval = ch.window * 1000 / ch.max
 		local tat = number(c)
@@ -165,13 +167,14 @@ for i = 1, n do
 			ttl, v = -2, nil
 		end
 		if ttl > ch.window then
-			if ch.cutoff <= 0 then
+			local cutoff = tonumber(ARGV[a + 3])
+			if cutoff <= 0 then
 				redis.call('DEL', c, ch.r)
 				ttl, v = -2, nil
-			elseif ch.cutoff < ttl then
-				redis.call('PEXPIRE', c, ch.cutoff)
-				redis.call('PEXPIRE', ch.r, ch.cutoff)
-				ttl = ch.cutoff
+			elseif cutoff < ttl then
+				redis.call('PEXPIRE', c, cutoff)
+				redis.call('PEXPIRE', ch.r, cutoff)
+				ttl = cutoff
 			end
 		end
 		-- ttl is -2 for a new window and -1 for a count key without an
