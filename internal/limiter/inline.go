@@ -266,8 +266,9 @@ type arena struct {
 func newArena(size int) *arena {
 	a := &arena{}
 	a.b, a.unmap = mapArena(size)
-	if a.mapped() {
-		a.cleanup = runtime.AddCleanup(a, mapping.release, mapping{a.b, a.unmap})
+	if unmap := a.unmap; unmap != nil {
+		// The cleanup must not hold a: it holds the memory and unmap.
+		a.cleanup = runtime.AddCleanup(a, func(b []byte) { _ = unmap(b) }, a.b)
 	}
 	return a
 }
@@ -279,17 +280,7 @@ func (a *arena) mapped() bool { return a.unmap != nil }
 func (a *arena) free() {
 	if a.mapped() {
 		a.cleanup.Stop()
-		mapping{a.b, a.unmap}.release()
+		_ = a.unmap(a.b)
 	}
 	a.b = nil
 }
-
-// mapping is an arena's mapped memory and the function that unmaps it: an
-// arena's cleanup, which must not hold the arena.
-type mapping struct {
-	b     []byte
-	unmap func([]byte) error
-}
-
-// release unmaps the memory.
-func (m mapping) release() { _ = m.unmap(m.b) }
