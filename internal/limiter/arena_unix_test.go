@@ -4,6 +4,7 @@ package limiter
 
 import (
 	"fmt"
+	"runtime"
 	"syscall"
 	"testing"
 	"time"
@@ -85,5 +86,39 @@ func TestArenaFallsBackToHeap(t *testing.T) {
 				t.Fatalf("%d unmaps, %d of them of memory not mapped", unmapped, foreign)
 			}
 		})
+	}
+}
+
+// An arena that becomes unreachable without being freed (a store dropped
+// without Close) is unmapped by its cleanup, through the munmap it was
+// mapped under.
+func TestArenaUnmappedWhenUnreachable(t *testing.T) {
+	// Not parallel: it swaps munmap for the package.
+	realMunmap := munmap
+	t.Cleanup(func() { munmap = realMunmap })
+	unmapped := make(chan int, 1)
+	munmap = func(b []byte) error {
+		unmapped <- len(b)
+		return realMunmap(b)
+	}
+	func() {
+		if a := newArena(1 << 16); !a.mapped() {
+			t.Fatal("a 64 KiB mapping failed unforced")
+		}
+	}()
+	munmap = realMunmap // arenas mapped from here on are not this test's
+	deadline := time.After(10 * time.Second)
+	for {
+		runtime.GC()
+		select {
+		case n := <-unmapped:
+			if n < 1<<16 {
+				t.Fatalf("unmapped %d bytes, want the arena's %d", n, 1<<16)
+			}
+			return
+		case <-deadline:
+			t.Fatal("an unreachable arena was not unmapped within 10s")
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }
