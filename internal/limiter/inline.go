@@ -266,9 +266,8 @@ type arena struct {
 func newArena(size int) *arena {
 	a := &arena{}
 	a.b, a.unmap = mapArena(size)
-	if unmap := a.unmap; unmap != nil {
-		// The cleanup must not hold a: it holds the memory and unmap.
-		a.cleanup = runtime.AddCleanup(a, func(b []byte) { _ = unmap(b) }, a.b)
+	if a.mapped() {
+		a.cleanup = runtime.AddCleanup(a, mapping.release, mapping{a.b, a.unmap})
 	}
 	return a
 }
@@ -280,7 +279,19 @@ func (a *arena) mapped() bool { return a.unmap != nil }
 func (a *arena) free() {
 	if a.mapped() {
 		a.cleanup.Stop()
-		_ = a.unmap(a.b)
+		mapping{a.b, a.unmap}.release()
 	}
 	a.b = nil
 }
+
+// mapping is an arena's mapped memory and the function that unmaps it: an
+// arena's cleanup, which must not hold the arena. A method expression, not
+// a closure over unmap: a closure cost one more allocation per arena
+// (BenchmarkMemoryStoreFootprint/keys=100000: 3,913 allocs/op against 2,952).
+type mapping struct {
+	b     []byte
+	unmap func([]byte) error
+}
+
+// release unmaps the memory.
+func (m mapping) release() { _ = m.unmap(m.b) }
