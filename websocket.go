@@ -54,11 +54,8 @@ const wsCapRetryAfter = "1"
 // protocol (RFC 8441, RFC 9220).
 func isWebSocket(r *http.Request) bool {
 	if r.ProtoMajor < 2 {
-		// Upgrade first: almost no request has one, so the Connection
-		// header most HTTP/1.1 clients send (keep-alive) is not scanned
-		// for the upgrade token.
-		return httpguts.HeaderValuesContainsToken(r.Header["Upgrade"], "websocket") &&
-			httpguts.HeaderValuesContainsToken(r.Header["Connection"], "upgrade")
+		return httpguts.HeaderValuesContainsToken(r.Header["Connection"], "upgrade") &&
+			httpguts.HeaderValuesContainsToken(r.Header["Upgrade"], "websocket")
 	}
 	return r.Method == http.MethodConnect &&
 		(r.Header.Get(":protocol") == "websocket" || r.Proto == "websocket")
