@@ -6,4 +6,4 @@ package limiter
 // maps no memory itself, and under the race detector, which sees no access
 // to memory mapped outside the heap (so the inline tables stay checked for
 // races).
-func mapArena(size int) ([]byte, func([]byte) error) { return make([]byte, size), nil }
+func mapArena(size int) mapping { return mapping{b: make([]byte, size)} }

@@ -12,13 +12,13 @@ var (
 )
 
 // mapArena maps size bytes of zeroed anonymous memory, or falls back to
-// the Go heap. It returns the function that unmaps the memory, nil for heap
-// memory: the munmap of the moment it mapped, so that an arena mapped
-// before a test swapped munmap is never unmapped through the test's.
-func mapArena(size int) ([]byte, func([]byte) error) {
+// the Go heap. The mapping unmaps through the munmap of the moment it
+// mapped, so that an arena mapped before a test swapped munmap is never
+// unmapped through the test's.
+func mapArena(size int) mapping {
 	b, err := mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
 	if err != nil {
-		return make([]byte, size), nil
+		return mapping{b: make([]byte, size)}
 	}
-	return b, munmap
+	return mapping{b, munmap}
 }
