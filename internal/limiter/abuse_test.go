@@ -226,3 +226,54 @@ func TestBanNotForCostOrNoBan(t *testing.T) {
 		}
 	})
 }
+
+// A NoBan refusal that would have banned says so (PendingBan); a costly
+// request's refusal, no violation, does not. Ban then bans the key from
+// the moment it is called, and escalates as the refusal's own ban would.
+func TestPendingBanThenBan(t *testing.T) {
+	lim := Limit{Window: time.Minute, Max: 3, Ban: time.Minute, BanMax: time.Hour}
+	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
+		c := Check{Key: "203.0.113.7", Limit: lim, NoBan: true}
+		for range 2 {
+			if _, ok := decide(t, s, time.Now(), c); !ok {
+				t.Fatal("a request within max refused")
+			}
+		}
+		c.Cost = 2
+		if out, ok := decide(t, s, time.Now(), c); ok || out[0].PendingBan {
+			t.Fatalf("a refused request of cost 2 with 1 left = %+v, want refused and no pending ban (no violation)", out[0])
+		}
+		c.Cost = 1
+		if _, ok := decide(t, s, time.Now(), c); !ok {
+			t.Fatal("the third request refused")
+		}
+		out, ok := decide(t, s, time.Now(), c)
+		if ok || !out[0].PendingBan || out[0].RetryAfter > time.Minute {
+			t.Fatalf("a NoBan violation = %+v, want refused by the window with a pending ban", out[0])
+		}
+		c.NoBan = false
+		until, err := s.Ban(context.Background(), c, time.Now())
+		if err != nil || time.Until(until) < 59*time.Second || time.Until(until) > time.Minute {
+			t.Fatalf("Ban = %v, %v; want a minute from now", until, err)
+		}
+		c.NoBan = true // a running ban refuses all the same
+		if out, ok := decide(t, s, time.Now(), c); ok || out[0].PendingBan || out[0].RetryAfter < 59*time.Second {
+			t.Fatalf("a request of a banned key = %+v, want refused by the ban, nothing pending", out[0])
+		}
+		// The second violation within a day doubles the ban.
+		c.NoBan = false
+		if until, err := s.Ban(context.Background(), c, time.Now()); err != nil || time.Until(until) < 119*time.Second {
+			t.Fatalf("second Ban = %v, %v; want two minutes from now", until, err)
+		}
+		var bannedUntil time.Time
+		_ = s.Range(context.Background(), time.Now(), func(ks KeyState) bool {
+			if ks.Key == c.Key {
+				bannedUntil = ks.BannedUntil
+			}
+			return true
+		})
+		if time.Until(bannedUntil) < 119*time.Second {
+			t.Fatalf("listed banned until %v, want two minutes from now", bannedUntil)
+		}
+	})
+}

@@ -132,7 +132,9 @@ type Check struct {
 	Cost int
 	// NoBan keeps a refusal from starting a ban (Limit.Ban): other
 	// requests of the key hold units while they are served, and may give
-	// them back (count_status). A running ban still refuses.
+	// them back (count_status), or the handler only tries its limits (dry
+	// run). A refusal that would have started one says so
+	// (Verdict.PendingBan). A running ban still refuses.
 	NoBan bool
 }
 
@@ -158,6 +160,10 @@ type Verdict struct {
 	// so the handler logs and reports a key going over its limit once, not once
 	// per refused request.
 	FirstRefusal bool
+	// PendingBan is true for a refusal that would have started a ban
+	// (Limit.Ban) had the check not been NoBan: the caller decides later
+	// whether it stands (Store.Ban).
+	PendingBan bool
 	// StoreError is true when the shared store failed and the verdict was
 	// reached without it, as the store's on_error setting says (admitted
 	// anyway, or decided by an in-process fallback store).
@@ -226,6 +232,13 @@ type Store interface {
 	// sliding window they go on weighing as the previous count); a GCRA
 	// bucket gets back only what has not dripped back since.
 	Refund(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error
+
+	// Ban records, at now, a violation of c's limit by c.Key (c.Limit
+	// bans) and bans the key from now, escalating as the limit says: a
+	// violation that a refusal reported as PendingBan and that turned out
+	// to stand. It returns when the ban ends (zero when the store holds
+	// no room for it).
+	Ban(ctx context.Context, c Check, now time.Time) (time.Time, error)
 }
 
 // sliding returns the requests the sliding-window counter holds against a

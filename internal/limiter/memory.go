@@ -381,8 +381,12 @@ func (s *MemoryStore) settle(idx uint64, c *Check, e *memEntry, t int64, allowed
 		if c.Limit.Ban > 0 {
 			// A violation: the count refuses a request of one unit
 			// (a costly request that does not fit is no violation).
-			if j.bannedUntil == 0 && !c.NoBan && !e.admits(t, &Check{Limit: c.Limit}) {
-				j.bannedUntil = s.ban(idx, c, t)
+			if j.bannedUntil == 0 && !e.admits(t, &Check{Limit: c.Limit}) {
+				if c.NoBan {
+					out.PendingBan = true
+				} else {
+					j.bannedUntil = s.ban(idx, c, t)
+				}
 			}
 			if j.bannedUntil > t {
 				// Refused until the ban ends, and the window admits.
@@ -849,6 +853,23 @@ func (s *MemoryStore) ForgetCheck(_ context.Context, c Check) (bool, error) {
 	}
 	sh.mu.Unlock()
 	return ok, nil
+}
+
+// Ban implements Store. It never returns an error.
+func (s *MemoryStore) Ban(_ context.Context, c Check, now time.Time) (time.Time, error) {
+	if c.Slot < 0 || c.Slot >= MaxChecks || c.Limit.Ban <= 0 {
+		return time.Time{}, nil
+	}
+	h := s.hash(c.Key, c.Slot)
+	idx := h & s.mask
+	sh := &s.shards[idx]
+	sh.mu.Lock()
+	until := s.ban(idx, &c, now.UnixNano())
+	sh.mu.Unlock()
+	if until == 0 {
+		return time.Time{}, nil
+	}
+	return time.Unix(0, until), nil
 }
 
 // CutWindows ends every window of the limit in slot that would end after

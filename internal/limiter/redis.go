@@ -57,6 +57,13 @@ var releaseSource string
 
 var releaseScript = redis.NewScript(releaseSource)
 
+// banScript records a violation and bans a key: see redis_ban.lua.
+//
+//go:embed redis_ban.lua
+var banSource string
+
+var banScript = redis.NewScript(banSource)
+
 // leaseScript takes, renews and gives back WebSocket leases: see
 // redis_lease.lua.
 //
@@ -601,7 +608,7 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 		r := res[7*i : 7*i+7]
 		left := time.Duration(r[2]) * time.Millisecond
 		v := Verdict{
-			Allowed:   r[0] == 1 && r[6] == 0,
+			Allowed:   r[0] == 1 && r[6] <= 0,
 			Max:       c.Limit.Max,
 			Remaining: int(max(int64(c.Limit.Max)-r[1], 0)),
 			Reset:     now.Add(left),
@@ -625,6 +632,7 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 		}
 		if !v.Allowed {
 			v.FirstRefusal = r[3] == 1
+			v.PendingBan = r[6] < 0
 		}
 		if r[6] > 0 {
 			// Refused until the ban ends, and the window admits.
@@ -1467,6 +1475,26 @@ func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 		}
 	}
 	return found, nil
+}
+
+// Ban implements Store: the ban holds on every instance sharing the
+// Redis, and this one refuses the key locally until it ends.
+func (s *RedisStore) Ban(ctx context.Context, c Check, now time.Time) (time.Time, error) {
+	if c.Limit.Ban <= 0 {
+		return time.Time{}, nil
+	}
+	s.markUsed()
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	defer cancel()
+	base := s.base(c.Name, s.tag(c.Key))
+	ms, err := banScript.Run(ctx, s.client, []string{base + "b", base + "s", base + "r"},
+		c.Limit.Ban.Milliseconds(), c.Limit.BanMax.Milliseconds()).Int64()
+	if err != nil {
+		return time.Time{}, fmt.Errorf("banning redis key %q: %w", base+"b", err)
+	}
+	until := now.Add(time.Duration(ms) * time.Millisecond)
+	s.refused.put(cacheKey(c.Name, c.Key), until.UnixNano(), c.Limit.Max, now.UnixNano())
+	return until, nil
 }
 
 // isHexHash reports whether key looks like a hashed key: 64 hex digits.

@@ -29,7 +29,8 @@
 -- the bucket), milliseconds to the end of the window (for GCRA until the
 -- bucket is full), refused, previous window's count, milliseconds to wait
 -- when the count refuses (0: the caller works it out from the rest), and
--- the milliseconds left of the key's ban (0: not banned).
+-- the milliseconds left of the key's ban (0: not banned; -1: a violation
+-- that no ban 1 kept from starting one).
 --
 -- A fixed window is its count key, expiring when the window ends. A sliding
 -- window's count key expires a window after its window ends, so that it can
@@ -262,7 +263,10 @@ for i = 1, n do
 			redis.call('PEXPIRE', r, math.max(left, ch.banned))
 		end
 	end
-	if ch.b and ch.banned == 0 and ch.full and not ch.noban then
+	if ch.b and ch.banned == 0 and ch.full and ch.noban then
+		-- A violation the caller settles later (redis_ban.lua).
+		ch.banned = -1
+	elseif ch.b and ch.banned == 0 and ch.full then
 		-- A violation: the key is banned from now.
 		local strikes = 1
 		local ban = ch.ban
