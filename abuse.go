@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -35,10 +37,11 @@ const DefaultBanMax = 24 * time.Hour
 
 // Bounds of the delay options.
 const (
-	MaxDelay           = time.Minute // the longest delay
-	DefaultDelayPerKey = 4           // delay_per_key when unset
-	DefaultDelayTotal  = 1000        // delay_total when unset
-	MaxDelayWaiting    = 100_000     // the most delay_per_key and delay_total accept
+	MaxDelay           = time.Minute      // the longest delay
+	MinDelay           = time.Millisecond // the shortest: below it a delay waits out nothing
+	DefaultDelayPerKey = 4                // delay_per_key when unset
+	DefaultDelayTotal  = 1000             // delay_total when unset
+	MaxDelayWaiting    = 100_000          // the most delay_per_key and delay_total accept
 )
 
 // CostValue is a request cost as JSON gives it: a number (10), or a string
@@ -81,20 +84,22 @@ func parseStatusRanges(what string, entries []string) ([]statusRange, error) {
 		}
 		r, ok := parseStatusRange(e)
 		if !ok {
-			return nil, fmt.Errorf("invalid %s %q: want a status from 100 to 599 (401), a class (4xx), a range (500-599) or all", what, e)
+			return nil, fmt.Errorf("invalid %s %q: want a status from 200 to 599 (401), a class (4xx), a range (500-599) or all; a status below 200 is never a response's final one", what, e)
 		}
 		out = append(out, r)
 	}
 	return out, nil
 }
 
-// parseStatusRange parses one count_status entry.
+// parseStatusRange parses one count_status entry. Every part of it must be
+// a final status (200 to 599): an informational one is never recorded, so
+// an entry naming one could never match.
 func parseStatusRange(e string) (statusRange, bool) {
 	code := func(s string) (int, bool) {
 		n, err := strconv.Atoi(s)
-		return n, err == nil && len(s) == 3 && n >= 100 && n <= 599
+		return n, err == nil && len(s) == 3 && n >= 200 && n <= 599
 	}
-	if len(e) == 3 && e[1:] == "xx" && e[0] >= '1' && e[0] <= '5' {
+	if len(e) == 3 && e[1:] == "xx" && e[0] >= '2' && e[0] <= '5' {
 		c := int(e[0]-'0') * 100
 		return statusRange{c, c + 99}, true
 	}
@@ -310,16 +315,19 @@ func printableValue(v string) string {
 }
 
 // statusRecorder passes a response through and records its status, for
-// count_status.
+// count_status, and whether the client was still there when it was
+// written.
 type statusRecorder struct {
 	caddyhttp.ResponseWriterWrapper
+	ctx    context.Context // the request's: done once the client has gone
 	status int
+	gone   bool // the client had gone when status was written
 }
 
 // WriteHeader records the first final status.
 func (w *statusRecorder) WriteHeader(code int) {
 	if w.status == 0 && code >= 200 {
-		w.status = code
+		w.status, w.gone = code, w.ctx.Err() != nil
 	}
 	w.ResponseWriterWrapper.WriteHeader(code)
 }
@@ -327,32 +335,47 @@ func (w *statusRecorder) WriteHeader(code int) {
 // Write records 200 when the body is written before any status.
 func (w *statusRecorder) Write(b []byte) (int, error) {
 	if w.status == 0 {
-		w.status = http.StatusOK
+		w.status, w.gone = http.StatusOK, w.ctx.Err() != nil
 	}
 	return w.ResponseWriterWrapper.Write(b)
 }
 
 // serveCounted serves the admitted request and gives back its units in each
-// limit whose count_status the response's status is not in.
-func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int) error {
-	rec := &statusRecorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
-	err := next.ServeHTTP(rec, r)
+// limit whose count_status the response's status is not in. Only a status
+// written while the client was still there decides: a client that goes
+// away before its answer (as a brute-forcer that does not wait for a slow
+// 401 would) could otherwise spend nothing; a response that writes no
+// status counts too. The response is settled when a later handler panics
+// as well: reverse_proxy aborts so when a client leaves mid-body.
+func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int) (err error) {
+	rec := &statusRecorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, ctx: r.Context()}
+	defer func() { rl.settle(r, rec, err, d, n) }()
+	return next.ServeHTTP(rec, r)
+}
+
+// settle gives back the units of the request's limits that its response,
+// recorded by rec, does not count in (count_status); err is what the
+// handlers after this one returned.
+func (rl *RateLimit) settle(r *http.Request, rec *statusRecorder, err error, d *decision, n int) {
 	status := rec.status
-	if err != nil && status == 0 {
+	decides := status != 0 && !rec.gone
+	if status == 0 && err != nil && r.Context().Err() == nil {
 		// Nothing written yet: the error handler writes the response
 		// later, and its status is the error's.
-		status = http.StatusInternalServerError
+		status, decides = http.StatusInternalServerError, true
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode != 0 {
 			status = he.StatusCode
 		}
-	} else if status == 0 {
-		status = http.StatusOK // nothing written: net/http sends 200
+	}
+	if !decides {
+		return
 	}
 	k := 0
 	for i := range n {
 		if !counts(rl.policies[d.of[i]].countStatus, status) {
 			d.refund[k], d.refundOut[k] = d.checks[i], d.out[i]
+			d.kept[i] = false
 			k++
 		}
 	}
@@ -361,7 +384,6 @@ func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next c
 			rl.logger.Warn("giving back a request that does not count", zap.String("zone", rl.Zone), zap.Error(rerr))
 		}
 	}
-	return err
 }
 
 // waitRoom bounds the requests a handler keeps waiting (delay): at most
@@ -457,33 +479,107 @@ func (a AbuseControls) shared() string {
 	return out
 }
 
-// inFlight counts, per limit and key, the requests being served under a
-// limit that both counts by status and bans: a refusal while other
-// requests of the key are in flight may come from units they hold and will
-// give back, so it starts no ban (limiter.Check.NoBan).
+// inFlight tracks, per limit and key, the requests being served under a
+// limit that both counts by status and bans, and the violation pending on
+// them. A refusal while other requests of the key are in flight may come
+// from units they hold and will give back (count_status), so it starts no
+// ban at once (limiter.Check.NoBan): it is pending. When the last of them
+// settles, the violation stands if any of them stayed counted and lapses
+// if every one gave its units back; if they are still in flight when the
+// refusing window ends, it stands then. A violation that stands bans the
+// key from that moment. The tracking is per handler and process: on Redis
+// the ban is written after the fact, and then holds on every instance.
 type inFlight struct {
-	mu sync.Mutex
-	n  map[string]int
+	mu      sync.Mutex
+	flights map[string]*flight  // by limit name and key
+	ban     func(limiter.Check) // starts the ban of a violation that stands
 }
+
+// flight is the requests in flight of one key in one limit.
+type flight struct {
+	n       int
+	pending *violation // nil: none
+}
+
+// violation is a refusal whose ban waits for the requests in flight.
+type violation struct {
+	check   limiter.Check // the refusing limit and key
+	counted bool          // a request in flight settled counted since
+	timer   *time.Timer   // the refusing window's end: the violation stands
+}
+
+// flightKey is the key of limit name and client key in inFlight.flights.
+func flightKey(name, key string) string { return name + "\x00" + key }
 
 // enter records one more request of key in limit name and returns how many
 // are in flight, this one included.
 func (f *inFlight) enter(name, key string) int {
-	k := name + "\x00" + key
+	k := flightKey(name, key)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.n[k]++
-	return f.n[k]
+	fl := f.flights[k]
+	if fl == nil {
+		fl = new(flight)
+		f.flights[k] = fl
+	}
+	fl.n++
+	return fl.n
 }
 
-// leave records the end of a request of key in limit name.
-func (f *inFlight) leave(name, key string) {
-	k := name + "\x00" + key
+// violate records a violation of c's limit by c.Key, a request in flight
+// itself, pending until the key's requests settle or end, the end of the
+// refusing window. A violation already pending stands for both.
+func (f *inFlight) violate(name string, c limiter.Check, end time.Time) {
+	k := flightKey(name, c.Key)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.n[k]--; f.n[k] <= 0 {
-		delete(f.n, k)
+	fl := f.flights[k]
+	if fl == nil || fl.pending != nil {
+		return
 	}
+	v := &violation{check: c}
+	v.timer = time.AfterFunc(time.Until(end), func() { f.expire(k, v) })
+	fl.pending = v
+}
+
+// leave records the end of a request of key in limit name, which stayed
+// counted or not, and starts the ban of a pending violation that stands
+// once the last request of the key settles.
+func (f *inFlight) leave(name, key string, counted bool) {
+	k := flightKey(name, key)
+	f.mu.Lock()
+	fl := f.flights[k]
+	fl.n--
+	v := fl.pending
+	if v != nil && counted {
+		v.counted = true
+	}
+	if fl.n > 0 {
+		f.mu.Unlock()
+		return
+	}
+	delete(f.flights, k)
+	f.mu.Unlock()
+	if v != nil {
+		v.timer.Stop()
+		if v.counted {
+			f.ban(v.check)
+		}
+	}
+}
+
+// expire makes violation v of the flight at k stand: its window ended with
+// requests of the key still in flight.
+func (f *inFlight) expire(k string, v *violation) {
+	f.mu.Lock()
+	fl := f.flights[k]
+	if fl == nil || fl.pending != v {
+		f.mu.Unlock()
+		return // settled meanwhile
+	}
+	fl.pending = nil
+	f.mu.Unlock()
+	f.ban(v.check)
 }
 
 // holdsBan reports whether p both counts by status and bans.
@@ -493,29 +589,54 @@ func (p *policy) holdsBan() bool {
 
 // enterInFlight records the request in every limit that counts by status
 // and bans, marking NoBan on the checks of a key with other requests in
-// flight, and returns the func that records its end.
-func (rl *RateLimit) enterInFlight(d *decision, n int) func() {
-	var entered [limiter.MaxChecks]bool
+// flight.
+func (rl *RateLimit) enterInFlight(d *decision, n int) {
 	for i := range n {
 		p := &rl.policies[d.of[i]]
-		if p.holdsBan() {
-			entered[i] = true
+		if p.holdsBan() && d.checks[i].Limit.Ban > 0 {
+			d.entered[i] = true
 			if rl.inFlight.enter(p.name, d.checks[i].Key) > 1 {
 				d.checks[i].NoBan = true
 			}
 		}
 	}
-	var names, keys [limiter.MaxChecks]string
+}
+
+// pendViolations makes each refusal of d that a request in flight kept from
+// banning a pending violation.
+func (rl *RateLimit) pendViolations(d *decision, n int) {
 	for i := range n {
-		if entered[i] {
-			names[i], keys[i] = rl.policies[d.of[i]].name, d.checks[i].Key
+		if d.entered[i] && d.out[i].PendingBan {
+			rl.inFlight.violate(rl.policies[d.of[i]].name, d.checks[i], d.out[i].Reset)
 		}
 	}
-	return func() {
-		for i := range n {
-			if entered[i] {
-				rl.inFlight.leave(names[i], keys[i])
-			}
+}
+
+// leaveInFlight records the end of the request in every limit it entered,
+// counted where its units stayed spent.
+func (rl *RateLimit) leaveInFlight(d *decision, n int) {
+	for i := range n {
+		if d.entered[i] {
+			rl.inFlight.leave(rl.policies[d.of[i]].name, d.checks[i].Key, d.kept[i])
 		}
+	}
+}
+
+// startBan bans the key of a violation that stood once the requests in
+// flight settled.
+func (rl *RateLimit) startBan(c limiter.Check) {
+	c.NoBan = false
+	name := c.Name
+	if name == "" {
+		name = rl.Zone // the first limit is named after the zone
+	}
+	until, err := rl.zone.store.Ban(context.Background(), c, time.Now())
+	if err != nil {
+		rl.logger.Warn("starting the ban of a violation that stood once the key's requests settled",
+			zap.String("zone", rl.Zone), zap.String("limit", name), zap.String("key", c.Key), zap.Error(err))
+		return
+	}
+	if ce := rl.logger.Check(zapcore.InfoLevel, "rate limit ban started: the key's requests in flight settled counted"); ce != nil && !until.IsZero() {
+		ce.Write(zap.String("zone", rl.Zone), zap.String("limit", name), zap.String("key", c.Key), zap.Int64("banned_until", ceilSeconds(until.UnixNano())))
 	}
 }

@@ -45,7 +45,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			missing ip|reject|<value>     # default ip
 //			count_status <status>...|all  # default: the handler's; so are cost, ban and burst
 //			cost    <n>|<placeholder>
-//			ban     <duration> [escalate [<longest>]]
+//			ban     <duration> [escalate [<longest>]] | off
 //			burst   <n>
 //		}]
 //		algorithm   fixed|sliding|gcra    # default fixed; gcra: a token bucket
@@ -209,6 +209,13 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 		opt := d.Val()
 		if err := seen.first(d, opt); err != nil {
 			return err
+		}
+		if opt == "ban" && d.CountRemainingArgs() == 1 {
+			if d.NextArg(); d.Val() == "off" {
+				l.BanOff = true // the handler's ban does not apply here
+				continue
+			}
+			d.Prev()
 		}
 		if ok, err := l.AbuseControls.unmarshalOption(d, opt, "limit "+l.Name); ok {
 			if err != nil {

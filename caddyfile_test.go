@@ -69,6 +69,15 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 			windowS 30
 			maxTracked 2000
 		}`, RateLimit{Window: caddy.Duration(30 * time.Second), MaxTracked: 2000}},
+		{"ban off in a limit", `rate_limit {
+			ban 10m
+			limit tenant 20 10s {
+				key {http.request.header.X-Tenant}
+				ban off
+			}
+		}`, RateLimit{AbuseControls: AbuseControls{Ban: caddy.Duration(10 * time.Minute)}, Limits: []LimitConfig{{
+			Name: "tenant", Max: 20, Window: caddy.Duration(10 * time.Second), Key: "{http.request.header.X-Tenant}", BanOff: true,
+		}}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			gj, _ := json.Marshal(parse(t, tc.input, ""))
@@ -112,10 +121,17 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n store redis {\n  address 127.0.0.1:7000 127.0.0.1:7001\n  pipeline on\n }\n}", `invalid pipeline "on" with 2 addresses (a Cluster)`},
 		{"rate_limit {\n algorithm bucket\n}", `invalid algorithm "bucket": must be fixed, sliding or gcra`},
 		{"rate_limit {\n count_status\n}", "wrong argument count"},
-		{"rate_limit {\n count_status 6xx\n}", `invalid count_status "6xx": want a status from 100 to 599`},
+		{"rate_limit {\n count_status 6xx\n}", `invalid count_status "6xx": want a status from 200 to 599`},
 		{"rate_limit {\n count_status 401 all\n}", `invalid count_status "401 all": all counts every status and stands alone`},
 		{"rate_limit {\n count_status 499-400\n}", `invalid count_status "499-400"`},
 		{"rate_limit {\n count_status 40\n}", `invalid count_status "40"`},
+		{"rate_limit {\n count_status 100\n}", `invalid count_status "100": want a status from 200 to 599`},
+		{"rate_limit {\n count_status 1xx\n}", `invalid count_status "1xx": want a status from 200 to 599`},
+		{"rate_limit {\n count_status 101-199\n}", `invalid count_status "101-199": want a status from 200 to 599`},
+		{"rate_limit {\n count_status 150-250\n}", `invalid count_status "150-250": want a status from 200 to 599`},
+		{"rate_limit {\n delay 1ns\n}", `invalid delay 1ns: must be from 1ms to 1m0s`},
+		{"rate_limit {\n delay 999us\n}", `invalid delay 999µs: must be from 1ms to 1m0s`},
+		{"rate_limit {\n limit team 5 1m {\n  ban off\n  ban 1m\n }\n}", `option ban given twice`},
 		{"rate_limit {\n cost 0\n}", `invalid cost "0": must be a whole number from 1 to 1000000000, or a placeholder`},
 		{"rate_limit {\n cost lots\n}", `invalid cost "lots"`},
 		{"rate_limit {\n cost {http.request.header.X\n}", `invalid cost "{http.request.header.X": placeholder at offset 0 is not closed`},
@@ -124,7 +140,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n ban 1m forever\n}", `ban takes a duration, then optionally escalate`},
 		{"rate_limit {\n ban 1m escalate 30s\n}", `invalid ban_max 30s: the longest escalated ban must be above the ban (1m0s)`},
 		{"rate_limit {\n ban 48h escalate\n}", `the default longest ban is 24h0m0s; name a longer one`},
-		{"rate_limit {\n delay 2m\n}", `invalid delay 2m0s: must be at most 1m0s`},
+		{"rate_limit {\n delay 2m\n}", `invalid delay 2m0s: must be from 1ms to 1m0s`},
 		{"rate_limit {\n delay_per_key 2\n}", `they bound delay, which is not set`},
 		{"rate_limit {\n delay 1s\n ban 1m\n}", `a handler that bans cannot delay`},
 		{"rate_limit {\n limit x 5 1m {\n  ban 1m escalate 10s\n }\n}", `invalid limit "x" ban_max 10s`},
@@ -186,6 +202,7 @@ func TestValidateJSON(t *testing.T) {
 		{`{"key": "{http.request.header.X"}`, `invalid key "{http.request.header.X": placeholder at offset 0 is not closed with }`},
 		{`{"max": 1000000001}`, "invalid max 1000000001: must be from 1 to 1000000000"},
 		{`{"zone": ".."}`, `invalid zone ".."`},
+		{`{"limits": [{"name": "t", "max": 5, "window": "1m", "ban": "1m", "ban_off": true}]}`, `invalid limit "t" ban 1m0s: the limit sets ban_off (ban off) too`},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
 			var rl RateLimit

@@ -13,6 +13,10 @@ import (
 // that no client can send a value that lands in another client's IP counter.
 const customKeyPrefix = "key:"
 
+// missingKeyPrefix starts the key of a limit's missing value: a key space
+// of its own, which no client's key can reach (theirs start with "key:").
+const missingKeyPrefix = "missing:"
+
 // hashedKeyPrefix starts the hash that stands for a custom key that is not
 // kept as it is.
 const hashedKeyPrefix = "sha256:"

@@ -18,6 +18,9 @@ var (
 	refusalsDesc = prometheus.NewDesc("caddy_rate_limit_refusals_total",
 		"Refusals by zone and limit: a request refused by several limits counts in each (dry-run refusals included).",
 		[]string{"zone", "limit"}, nil)
+	dryRunBansDesc = prometheus.NewDesc("caddy_rate_limit_dry_run_bans_total",
+		"Bans that dry-run handlers would have started (a dry run writes none), by zone.",
+		[]string{"zone"}, nil)
 	trackedKeysDesc = prometheus.NewDesc("caddy_rate_limit_tracked_keys",
 		"Keys the zone's store tracks now in this process (for a Redis zone, its local fallback store's).",
 		[]string{"zone"}, nil)
@@ -59,6 +62,7 @@ func registerMetrics(reg prometheus.Registerer) error {
 func (collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- requestsDesc
 	ch <- refusalsDesc
+	ch <- dryRunBansDesc
 	ch <- trackedKeysDesc
 	ch <- evictionsDesc
 	ch <- websocketDesc
@@ -78,6 +82,7 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 				float64(v.(*atomic.Uint64).Load()), z.name, k.(string))
 			return true
 		})
+		ch <- prometheus.MustNewConstMetric(dryRunBansDesc, prometheus.CounterValue, float64(z.dryRunBans.Load()), z.name)
 		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
 		var evictions uint64
 		if z.mem != nil {

@@ -161,7 +161,9 @@ type RateLimit struct {
 	// Missing says what the first limit does when Key resolves empty (or
 	// the client IP is unknown): "ip" counts the request under the client
 	// IP, "reject" refuses it with 400 Bad Request, any other value counts
-	// it under that value (such as "anonymous"). Default: "ip".
+	// it under that value (such as "anonymous"), listed as "missing:" and
+	// the value: a bucket of its own that no client's key reaches, and
+	// that a ban never touches (its count still refuses). Default: "ip".
 	Missing string `json:"missing,omitempty"`
 
 	// Limits are the handler's limits past its first, which Window, Max
@@ -179,8 +181,11 @@ type RateLimit struct {
 	Algorithm string `json:"algorithm,omitempty"`
 
 	// DryRun decides, sets the headers and placeholders, logs and counts
-	// (result "dry_run") what would be refused, but refuses nothing. For
-	// trying a limit on live traffic. Default: false.
+	// (result "dry_run") what would be refused, but refuses nothing. It
+	// writes no ban and no escalation strike: a refusal that would start
+	// a ban is logged and counted (caddy_rate_limit_dry_run_bans_total).
+	// Counts carry over a reload as always. Handlers naming one zone must
+	// agree on it. For trying a limit on live traffic. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
 	// Exempt lists client IP ranges (CIDRs or addresses) that are neither
@@ -306,14 +311,18 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		}
 		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding, GCRA: gcra}
 		p := newPolicy(l.Name, l.Name, lim, key, l.Missing)
-		p.setAbuse(l.AbuseControls.over(rl.AbuseControls))
+		p.setAbuse(l.abuse(rl.AbuseControls))
 		rl.policies = append(rl.policies, p)
 	}
 	rl.countStatus, rl.costWarned, rl.inFlight = false, new(atomic.Bool), nil
 	for i := range rl.policies {
-		rl.countStatus = rl.countStatus || rl.policies[i].countStatus != nil
-		if rl.policies[i].holdsBan() && rl.inFlight == nil {
-			rl.inFlight = &inFlight{n: map[string]int{}}
+		p := &rl.policies[i]
+		rl.countStatus = rl.countStatus || p.countStatus != nil
+		// A dry run writes no ban and no escalation strike: a refusal
+		// that would start one reports it (refused).
+		p.check.NoBan = rl.DryRun
+		if p.holdsBan() && !rl.DryRun && rl.inFlight == nil {
+			rl.inFlight = &inFlight{flights: map[string]*flight{}, ban: rl.startBan}
 		}
 	}
 	rl.waitRoom = nil
@@ -445,6 +454,11 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		d.n = n + 1 // before the key is written: release clears it
 		checks[n], of[n] = p.check, i
 		checks[n].Key = key
+		if key == p.missingKey {
+			// The bucket of every request without a key: its count
+			// refuses, but a ban would lock out clients it shares.
+			checks[n].Limit.Ban, checks[n].Limit.BanMax = 0, 0
+		}
 		if p.costKey != "" {
 			checks[n].Cost = rl.requestCost(p, repl)
 		}
@@ -455,7 +469,8 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	}
 
 	if rl.inFlight != nil {
-		defer rl.enterInFlight(d, n)()
+		rl.enterInFlight(d, n)
+		defer rl.leaveInFlight(d, n)
 	}
 	now := time.Now()
 	if err := rl.zone.store.Decide(ctx, checks[:n], now, out[:n]); err != nil {
@@ -472,6 +487,17 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 			return rl.undecided(w, r, err)
 		}
 		delayed = allowed
+	}
+	if rl.inFlight != nil {
+		// Units spent stay counted unless count_status gives them back
+		// (serveCounted); a refusal that requests in flight kept from
+		// banning waits for them.
+		for i := range n {
+			d.kept[i] = allowed
+		}
+		if !allowed {
+			rl.pendViolations(d, n)
+		}
 	}
 	m := constraining(out[:n])
 	v := out[m]
@@ -669,6 +695,9 @@ type decision struct {
 	// units a response outside count_status gives back.
 	refund    [limiter.MaxChecks]limiter.Check
 	refundOut [limiter.MaxChecks]limiter.Verdict
+	// entered marks the checks whose key the request is in flight in
+	// (inFlight); kept those whose units stayed spent once it was served.
+	entered, kept [limiter.MaxChecks]bool
 }
 
 // release returns d to the pool, holding no request's keys: refund holds
@@ -676,6 +705,8 @@ type decision struct {
 func (d *decision) release() {
 	clear(d.checks[:d.n])
 	clear(d.refund[:d.n])
+	clear(d.entered[:d.n])
+	clear(d.kept[:d.n])
 	d.n = 0
 	decisions.Put(d)
 }
@@ -701,18 +732,27 @@ func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Ver
 			continue
 		}
 		msg := "rate limit exceeded"
-		if rl.DryRun {
+		wouldBan := rl.DryRun && v.PendingBan
+		switch {
+		case wouldBan:
+			msg = "rate limit exceeded (dry run: admitted, and not banned)"
+			rl.zone.dryRunBans.Add(1)
+		case rl.DryRun:
 			msg = "rate limit exceeded (dry run: admitted)"
 		}
 		if c := rl.logger.Check(zapcore.InfoLevel, msg); c != nil {
-			c.Write(
+			fields := []zap.Field{
 				zap.String("zone", rl.Zone),
 				zap.String("limit", p.name),
 				zap.String("key", checks[i].Key),
 				zap.Int("max", v.Max),
 				zap.Duration("window", p.check.Limit.Window),
 				zap.Int64("reset", ceilSeconds(v.Reset.UnixNano())),
-			)
+			}
+			if wouldBan {
+				fields = append(fields, zap.Duration("would_ban", p.check.Limit.Ban))
+			}
+			c.Write(fields...)
 		}
 		rl.emitExceeded(p, checks[i].Key, v)
 	}
@@ -837,14 +877,14 @@ func (rl *RateLimit) isEnabled() bool {
 func (rl *RateLimit) sharedSettings() string {
 	limits := make([]string, len(rl.Limits))
 	for i, l := range rl.Limits {
-		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.AbuseControls.over(rl.AbuseControls).shared()
+		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.abuse(rl.AbuseControls).shared()
 	}
 	algorithm := rl.Algorithm
 	if algorithm == "" {
 		algorithm = AlgorithmFixed
 	}
-	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t store=%s",
-		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.Store.describe())
+	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t dry_run=%t store=%s",
+		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.DryRun, rl.Store.describe())
 }
 
 // validZoneName reports whether name is a usable zone name: it appears in

@@ -53,8 +53,16 @@ type LimitConfig struct {
 	// Missing says what happens when Key resolves empty: "ip" counts the
 	// request under the client IP, "reject" refuses it with 400, and any
 	// other value is counted as that key (a canonical identity such as
-	// "anonymous"). Default: "ip".
+	// "anonymous"), listed as "missing:" and the value: a bucket of its
+	// own that no client's key reaches, and that a ban never touches
+	// (its count still refuses). Default: "ip".
 	Missing string `json:"missing,omitempty"`
+
+	// BanOff keeps this limit from banning when the handler bans (ban in
+	// the Caddyfile's limit block: "ban off"): a limit over a shared key,
+	// such as a tenant, whose ban would lock out clients who did nothing.
+	// Default: false (the handler's ban applies).
+	BanOff bool `json:"ban_off,omitempty"`
 
 	// AbuseControls, where set, replace the handler's in this limit
 	// (count_status ["all"] counts every response). Default: the
@@ -117,7 +125,7 @@ func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) p
 		}
 		p.errInvalid = fmt.Errorf("rate limit %q: the request has no %s to count it by", name, what)
 	default:
-		p.missingKey = customKey(missing)
+		p.missingKey = missingKeyPrefix + missing // checkMissing kept it short and printable
 	}
 	return p
 }
@@ -241,6 +249,9 @@ func (rl *RateLimit) checkLimits() []error {
 			errs = append(errs, err)
 		}
 		errs = append(errs, l.AbuseControls.check(what, rl.Algorithm)...)
+		if l.BanOff && (l.Ban != 0 || l.BanMax != 0) {
+			errs = append(errs, fmt.Errorf("invalid %s ban %s: the limit sets ban_off (ban off) too", what, time.Duration(l.Ban)))
+		}
 	}
 	errs = append(errs, rl.AbuseControls.check("", rl.Algorithm)...)
 	if rl.Algorithm == AlgorithmGCRA {
@@ -253,8 +264,8 @@ func (rl *RateLimit) checkLimits() []error {
 			}
 		}
 	}
-	if d := time.Duration(rl.Delay); d < 0 || d > MaxDelay {
-		errs = append(errs, fmt.Errorf("invalid delay %s: must be at most %s", d, MaxDelay))
+	if d := time.Duration(rl.Delay); d < 0 || d > MaxDelay || (d > 0 && d < MinDelay) {
+		errs = append(errs, fmt.Errorf("invalid delay %s: must be from %s to %s", d, MinDelay, MaxDelay))
 	}
 	if rl.DelayPerKey < 0 || rl.DelayPerKey > MaxDelayWaiting {
 		errs = append(errs, fmt.Errorf("invalid delay_per_key %d: must be from 1 to %d", rl.DelayPerKey, MaxDelayWaiting))
@@ -397,6 +408,16 @@ func (rl *RateLimit) bans() bool {
 		}
 	}
 	return false
+}
+
+// abuse returns the limit's abuse controls over the handler's (base): its
+// own where it sets them, and no ban with BanOff.
+func (l LimitConfig) abuse(base AbuseControls) AbuseControls {
+	a := l.AbuseControls.over(base)
+	if l.BanOff {
+		a.Ban, a.BanMax = 0, 0
+	}
+	return a
 }
 
 // setAbuse applies a limit's abuse controls, checked already, to p.

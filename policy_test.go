@@ -193,7 +193,7 @@ func TestHeaderKeyResolvesAsReplacer(t *testing.T) {
 						case MissingReject:
 							wantErr = p.errInvalid
 						default:
-							want = customKey(missing)
+							want = missingKeyPrefix + missing
 						}
 					}
 					if got != want || gotErr != wantErr {

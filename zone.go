@@ -51,6 +51,8 @@ type zone struct {
 	// results counts decisions by outcome since the zone was created; the
 	// metrics read them, so a config reload never resets a counter.
 	results [numResults]atomic.Uint64
+	// dryRunBans counts the bans dry-run handlers would have started.
+	dryRunBans atomic.Uint64
 	// refusals counts refusals by limit name (*atomic.Uint64); names come
 	// from configs, so they stay few.
 	refusals sync.Map

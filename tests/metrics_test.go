@@ -88,6 +88,7 @@ func TestMetricsAcrossReload(t *testing.T) {
 		refusalSeries("e2e-metrics", "e2e-metrics"):                 1,
 		series("tracked_keys", "e2e-metrics", ""):                   2,
 		series("evictions_total", "e2e-metrics", ""):                0,
+		series("dry_run_bans_total", "e2e-metrics", ""):             0,
 		series("websocket_connections", "e2e-metrics", ""):          0,
 	}
 	check := func(when string) {

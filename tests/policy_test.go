@@ -118,7 +118,7 @@ func TestPolicies(t *testing.T) {
 		"e2e-policy/203.0.113.2": "1 0", "burst/203.0.113.2": "1 0",
 		"e2e-policy/203.0.113.3": "1 0", "burst/203.0.113.3": "1 0",
 		"tenant/key:acme":        "4 1",
-		"e2e-policy/203.0.113.5": "1 0", "burst/203.0.113.5": "1 0", "tenant/key:public": "1 0",
+		"e2e-policy/203.0.113.5": "1 0", "burst/203.0.113.5": "1 0", "tenant/missing:public": "1 0",
 	})
 	got := listingOf(t, zone)
 	// 203.0.113.4 was refused by the tenant before any count: none of its
@@ -128,7 +128,7 @@ func TestPolicies(t *testing.T) {
 			t.Errorf("the refused request left %s = %q", k, got[k])
 		}
 	}
-	checkListing(t, zone, []listingCase{{"?policy=tenant", 2, "key:acme key:public"}})
+	checkListing(t, zone, []listingCase{{"?policy=tenant", 2, "key:acme missing:public"}})
 	if status, body := admin(t, http.MethodGet, "/rate_limit/"+zone+"?policy=nope"); status != http.StatusBadRequest || !strings.Contains(body, `unknown policy`) {
 		t.Errorf("?policy=nope: %d %s, want a 400", status, body)
 	}

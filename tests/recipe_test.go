@@ -88,8 +88,8 @@ func TestRecipe(t *testing.T) {
 	wantHeader(t, resp, "X-RateLimit-Limit", "10")
 	wantListing(t, "auth", map[string]string{
 		"auth/203.0.113.32":                            "10 0",
-		"user/key:anonymous":                           "10 0",
-		"tenant/key:public":                            "10 0",
+		"user/missing:anonymous":                       "10 0",
+		"tenant/missing:public":                        "10 0",
 		"route/key:203.0.113.32 /api/auth/login":       "10 0",
 		"route-burst/key:203.0.113.32 /api/auth/login": "10 1",
 	})
