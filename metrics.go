@@ -25,7 +25,7 @@ var (
 		"Keys the zone's store tracks now in this process (for a Redis zone, its local fallback store's).",
 		[]string{"zone"}, nil)
 	evictionsDesc = prometheus.NewDesc("caddy_rate_limit_evictions_total",
-		"Live keys evicted to make room for new ones because the zone tracked max_tracked keys.",
+		"Live keys evicted because the zone tracked max_tracked keys or more: to make room for new ones, or to reach a lowered max_tracked.",
 		[]string{"zone"}, nil)
 	storeHealthyDesc = prometheus.NewDesc("caddy_rate_limit_store_healthy",
 		"1 when the zone's shared store (Redis) is HEALTHY, 0 when DEGRADED or RECOVERING. Absent for in-process zones.",

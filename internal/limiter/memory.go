@@ -6,6 +6,7 @@ import (
 	"hash/maphash"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,7 +17,8 @@ import (
 // MemoryStore is the in-process Store: fixed or sliding windows in a sharded
 // hash map, bounded to a maximum number of tracked keys. When full it first
 // purges expired windows, then evicts the keys it inserted first (FIFO, kept
-// per shard: the oldest key of the shard that needs room goes).
+// per shard: the oldest key of the shard that needs room goes). A bound
+// lowered below the keys tracked is reached off the request path (Trim).
 //
 // A key of up to inlineMax bytes (every IPv4 address) is kept inline in the
 // shard's open-addressing table, outside the Go heap; a longer one in a Go
@@ -36,6 +38,7 @@ type MemoryStore struct {
 	purging    atomic.Bool
 	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
 	purgeEvery time.Duration // least time between two purges made for room
+	trimWake   chan struct{} // a lowered bound for the sweeper to reach; buffered 1
 
 	namesMu sync.Mutex
 	names   [MaxChecks]string // the limit name of each slot, for Range
@@ -132,16 +135,21 @@ func (sh *memShard) remove(at, slot int, key string) {
 	delete(sh.entries[slot], key)
 }
 
+// numShards is how many shards a MemoryStore has: enough that two cores,
+// or many, rarely wait on one lock. A power of two, so that a hash's low
+// bits pick one.
+const numShards = 64
+
 // NewMemoryStore returns a MemoryStore that tracks at most maxTracked keys
 // (at least 1), give or take the number of keys being inserted at the same
 // instant.
 func NewMemoryStore(maxTracked int) *MemoryStore {
-	n := 64 // enough shards that two cores, or many, rarely wait on one lock
 	s := &MemoryStore{
 		seed:       maphash.MakeSeed(),
-		shards:     make([]memShard, n),
-		mask:       uint64(n - 1),
+		shards:     make([]memShard, numShards),
+		mask:       numShards - 1,
 		purgeEvery: time.Second,
+		trimWake:   make(chan struct{}, 1),
 	}
 	for i := range s.shards {
 		s.shards[i].entries[0] = make(map[string]memEntry)
@@ -150,10 +158,18 @@ func NewMemoryStore(maxTracked int) *MemoryStore {
 	return s
 }
 
-// SetMaxTracked changes the bound on tracked keys. A lower bound is enforced
-// as new keys arrive; keys already tracked stay until then.
+// SetMaxTracked changes the bound on tracked keys. A bound below the keys
+// tracked wakes the sweeper (RunSweeper), which evicts the excess in slices
+// (Trim); until it is done, each new key evicts insertEvictions keys, so the
+// store shrinks and never grows, and no request waits on the whole excess.
 func (s *MemoryStore) SetMaxTracked(maxTracked int) {
 	s.maxTracked.Store(int64(max(maxTracked, 1)))
+	if s.over() {
+		select {
+		case s.trimWake <- struct{}{}:
+		default: // a wake is pending already
+		}
+	}
 }
 
 // SetSlotName names the limit counted in slot, for Range. A new name for a
@@ -206,8 +222,9 @@ func (s *MemoryStore) ClearSlot(slot int) {
 // MaxTracked returns the bound on tracked keys.
 func (s *MemoryStore) MaxTracked() int { return int(s.maxTracked.Load()) }
 
-// Evictions returns how many live keys were evicted to make room for new ones
-// since the store was created. Expired windows purged are not counted.
+// Evictions returns how many live keys were evicted since the store was
+// created, to make room for new ones or to reach a lowered bound (Trim).
+// Expired windows purged are not counted.
 func (s *MemoryStore) Evictions() uint64 { return s.evictions.Load() }
 
 // slotSalts spread one key's limits over different shards.
@@ -407,12 +424,21 @@ func tracks(c *Check, e *memEntry, t int64) bool {
 	return e.count > 0 || e.refused > 0 || (c.Limit.GCRA && e.reset > t)
 }
 
+// insertEvictions is the most keys one insert evicts: one makes its room at
+// the bound; the second shrinks a store above a lowered bound even while
+// the sweeper that trims it is not running, at a request's cost of one
+// eviction more, never of the whole excess.
+const insertEvictions = 2
+
 // insert adds e as the entry of the check's key, whose hash is h, evicting
 // to make room when the store is full. The caller holds the shard's lock.
 func (s *MemoryStore) insert(h uint64, c *Check, e *memEntry) {
 	idx := h & s.mask
 	sh := &s.shards[idx]
-	for s.full() && (sh.evictOldest(s) || s.evictElsewhere(idx)) {
+	for range insertEvictions {
+		if !s.full() || !(sh.evictOldest(s) || s.evictElsewhere(idx)) {
+			break
+		}
 	}
 	sh.seq++
 	s.tracked.Add(1)
@@ -648,6 +674,11 @@ func (s *MemoryStore) full() bool {
 	return s.tracked.Load() >= s.maxTracked.Load()
 }
 
+// over reports whether the store holds more keys than its bound.
+func (s *MemoryStore) over() bool {
+	return s.tracked.Load() > s.maxTracked.Load()
+}
+
 // purgeForRoom purges expired windows from every shard, unless another
 // goroutine is at it or did it less than purgeEvery ago.
 func (s *MemoryStore) purgeForRoom(t int64) {
@@ -692,6 +723,97 @@ func (sh *memShard) evictOldest(s *MemoryStore) bool {
 	s.tracked.Add(-1)
 	s.evictions.Add(1)
 	return true
+}
+
+// trimSlice is the most keys Trim evicts under one shard lock: a request
+// waiting on that lock waits for no more than that many evictions.
+const trimSlice = 128
+
+// Trim brings a store above its bound (SetMaxTracked lowered it) down to
+// it, off the request path: it purges the windows expired at now (unless a
+// purge ran less than a second ago), then evicts the excess in slices of at
+// most trimSlice keys, each under one shard's lock, the oldest keys of each
+// shard first, until the store is within its bound or ctx is done. It
+// returns how many live keys it evicted.
+func (s *MemoryStore) Trim(ctx context.Context, now time.Time) int {
+	if !s.over() {
+		return 0
+	}
+	s.purgeForRoom(now.UnixNano())
+	total := 0
+	for ctx.Err() == nil {
+		n := s.trimSome()
+		if n == 0 {
+			break
+		}
+		total += n
+	}
+	return total
+}
+
+// trimSome evicts one slice of the excess over the bound and returns how
+// many keys it evicted: 0 when the store is within its bound (or empty).
+// The slice comes from the shard holding the most keys, down towards the
+// level at which the shards hold the bound between them: each shard keeps
+// its newest keys, and about as many as the others, since the hash spreads
+// new keys evenly. Without an order across shards, that is as near to the
+// oldest keys of the store going first as FIFO kept per shard comes.
+func (s *MemoryStore) trimSome() int {
+	excess := s.tracked.Load() - s.maxTracked.Load()
+	if excess <= 0 {
+		return 0
+	}
+	var sizes [numShards]int
+	largest := 0
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		sizes[i] = sh.size()
+		sh.mu.Unlock()
+		if sizes[i] > sizes[largest] {
+			largest = i
+		}
+	}
+	level := waterLevel(sizes, int(s.maxTracked.Load()))
+	sh := &s.shards[largest]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	slice := min(int64(max(sh.size()-level, 1)), excess, trimSlice)
+	n := 0
+	for ; int64(n) < slice && sh.evictOldest(s); n++ {
+	}
+	if n > 0 && (sh.size() <= level || !s.over()) {
+		// The shard is trimmed: its table, sized for the keys it had, is
+		// rebuilt for the keys it kept. Rebuilt on the way down, it would
+		// be rebuilt at sizes that are soon too large, each time under
+		// the lock.
+		sh.short.tidy()
+	}
+	return n
+}
+
+// waterLevel returns the size to which cutting every larger shard leaves
+// the shards holding bound keys between them, give or take one per shard.
+func waterLevel(sizes [numShards]int, bound int) int {
+	slices.Sort(sizes[:])
+	rest := bound
+	for i, n := range sizes {
+		left := len(sizes) - i
+		if level := (rest + left - 1) / left; n > level {
+			return level
+		}
+		rest -= n
+	}
+	return sizes[len(sizes)-1]
+}
+
+// size returns how many keys the shard tracks. The caller holds sh.mu.
+func (sh *memShard) size() int {
+	n := sh.short.live
+	for _, m := range sh.entries {
+		n += len(m)
+	}
+	return n
 }
 
 // evictElsewhere evicts the oldest key of another shard, for a new key whose
@@ -914,7 +1036,8 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 }
 
 // RunSweeper calls Sweep every interval(), give or take a tenth at random so
-// that zones created together do not sweep together, until ctx is done.
+// that zones created together do not sweep together, and Trim whenever
+// SetMaxTracked lowers the bound below the keys tracked, until ctx is done.
 // interval is read before each wait, so a caller can change it while the
 // sweeper runs; a non-positive interval stops the sweeper.
 func (s *MemoryStore) RunSweeper(ctx context.Context, interval func() time.Duration) {
@@ -924,13 +1047,27 @@ func (s *MemoryStore) RunSweeper(ctx context.Context, interval func() time.Durat
 			return
 		}
 		jitter := time.Duration(rand.Int64N(int64(interval)/5+1)) - interval/10
-		timer := time.NewTimer(interval + jitter)
+		if !s.sweepAfter(ctx, interval+jitter) {
+			return
+		}
+	}
+}
+
+// sweepAfter waits d and sweeps, trimming the store whenever it is woken
+// meanwhile (a trim does not put the sweep off). It reports false when ctx
+// ended first.
+func (s *MemoryStore) sweepAfter(ctx context.Context, d time.Duration) bool {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	for {
 		select {
 		case <-ctx.Done():
-			timer.Stop()
-			return
+			return false
+		case <-s.trimWake:
+			s.Trim(ctx, time.Now())
 		case now := <-timer.C:
 			s.Sweep(now)
+			return true
 		}
 	}
 }

@@ -300,3 +300,143 @@ func TestMemoryStoreWindowShortenedSince(t *testing.T) {
 		t.Fatalf("in the new window: %+v, want it to end at %v", v, t0.Add(11*time.Second))
 	}
 }
+
+// A reload that lowers max_tracked far below the keys tracked: a new key's
+// request evicts insertEvictions keys itself, not the excess, so the store
+// shrinks with each new key and never grows; the rest is evicted off the
+// request path in slices of at most trimSlice keys, one shard's lock at a
+// time, down to the bound, the oldest keys first.
+func TestMemoryStoreLoweredBoundTrimmedInSlices(t *testing.T) {
+	t.Parallel()
+	for name, key := range keyForms {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			const n, bound, fresh = 20_000, 1000, 100
+			s := NewMemoryStore(n)
+			lim := Limit{Window: time.Hour, Max: 10}
+			for i := range n {
+				hit(t, s, key(i), t0, lim)
+			}
+			s.SetMaxTracked(bound)
+			for i := n; i < n+fresh; i++ {
+				size, evicted := s.Len(), s.Evictions()
+				hit(t, s, key(i), t0, lim)
+				if got := s.Evictions() - evicted; got != insertEvictions || s.Len() != size-1 {
+					t.Fatalf("new key %d of %d tracked over a bound of %d: evicted %d, Len %d; want %d evicted, Len %d",
+						i-n+1, size, bound, got, s.Len(), insertEvictions, size-1)
+				}
+			}
+
+			// Half the excess one slice at a time, the rest by Trim.
+			excess := s.Len() - bound
+			for s.Len() > bound+excess/2 {
+				size := s.Len()
+				got := s.trimSome()
+				if got < 1 || got > trimSlice || s.Len() != size-got {
+					t.Fatalf("a slice at Len %d evicted %d, Len now %d; want 1 to %d evicted", size, got, s.Len(), trimSlice)
+				}
+			}
+			size := s.Len()
+			if got := s.Trim(bg, t0); got != size-bound || s.Len() != bound {
+				t.Fatalf("Trim at Len %d evicted %d, Len now %d; want Len %d", size, got, s.Len(), bound)
+			}
+			if got := s.Trim(bg, t0); got != 0 {
+				t.Fatalf("Trim within the bound evicted %d", got)
+			}
+			if got, want := s.Evictions(), uint64(n+fresh-bound); got != want {
+				t.Fatalf("Evictions = %d, want %d", got, want)
+			}
+
+			live := map[string]bool{}
+			s.Range(bg, t0, func(ks KeyState) bool { live[ks.Key] = true; return true })
+			if len(live) != bound {
+				t.Fatalf("Range lists %d keys, want %d", len(live), bound)
+			}
+			for i := n; i < n+fresh; i++ {
+				if !live[key(i)] {
+					t.Fatalf("%s, among the keys tracked last, was evicted", key(i))
+				}
+			}
+			for i := range n / 2 {
+				if live[key(i)] {
+					t.Fatalf("%s, in the first half of the keys tracked, survived", key(i))
+				}
+			}
+			// With the keys gone, the tables give their room back: at most
+			// four times the bytes of a slot per key left.
+			if got := inlineBytes(s); got > 4*bound*64 {
+				t.Fatalf("%d bytes of inline tables for %d keys", got, bound)
+			}
+		})
+	}
+}
+
+// The sweeper reaches a lowered bound without waiting for its interval, and
+// stops with its context.
+func TestMemoryStoreSweeperTrimsLoweredBound(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(5000)
+	for i := range 5000 {
+		hit(t, s, fmt.Sprint("k", i), time.Now(), Limit{Window: time.Hour, Max: 1})
+	}
+	ctx, cancel := context.WithCancel(bg)
+	done := make(chan struct{})
+	go func() { s.RunSweeper(ctx, func() time.Duration { return time.Hour }); close(done) }()
+	s.SetMaxTracked(1000)
+	deadline := time.Now().Add(10 * time.Second)
+	for s.Len() != 1000 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if s.Len() != 1000 || s.Evictions() != 4000 {
+		t.Fatalf("after lowering the bound to 1000: Len %d, Evictions %d; want 1000 and 4000", s.Len(), s.Evictions())
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the sweeper did not stop when its context ended")
+	}
+}
+
+// New keys arriving while the sweeper trims a lowered bound: the store
+// never grows past what it held, and ends at the bound, give or take the
+// keys inserted at the same instant.
+func TestMemoryStoreTrimWhileInserting(t *testing.T) {
+	t.Parallel()
+	const n, bound, workers, each = 5000, 1000, 4, 250
+	s := NewMemoryStore(n)
+	lim := Limit{Window: time.Hour, Max: 1}
+	for i := range n {
+		hit(t, s, fmt.Sprint("old", i), time.Now(), lim)
+	}
+	ctx, cancel := context.WithCancel(bg)
+	defer cancel()
+	go s.RunSweeper(ctx, func() time.Duration { return time.Hour })
+	s.SetMaxTracked(bound)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	largest := 0
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				s.Hit(bg, fmt.Sprint("new", w, ".", i), time.Now(), lim)
+				mu.Lock()
+				largest = max(largest, s.Len())
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if largest > n+workers {
+		t.Fatalf("Len reached %d while trimming %d keys to %d", largest, n, bound)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for s.Len() > bound+workers && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if s.Len() > bound+workers {
+		t.Fatalf("Len = %d after trimming, want at most %d", s.Len(), bound+workers)
+	}
+}
