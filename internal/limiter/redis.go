@@ -171,6 +171,8 @@ type RedisStore struct {
 	streak     atomic.Int32 // consecutive failures when healthy, successes when recovering
 	wake       chan struct{}
 	probeEvery time.Duration
+
+	counts keyCounter // the counts of the zone's keys (CountKeys)
 }
 
 // NewRedisStore returns a RedisStore. It does not connect: the first decision
@@ -208,6 +210,7 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 		}
 	}
 	s.refused.init(opts.MaxTracked)
+	s.counts.init()
 	s.SetTimeout(opts.Timeout)
 	s.SetOnError(opts.OnError)
 	return s
@@ -827,8 +830,9 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 
 // Run probes Redis whenever the store is degraded, until it is healthy
 // again, adds the refusals answered in-process to the tallies in Redis every
-// second while it is not degraded, and sweeps the local fallback store every
-// interval(); it returns when ctx is done.
+// second while it is not degraded, runs the counts CountKeys asks for, and
+// sweeps the local fallback store every interval(); it returns when ctx is
+// done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.RunSweeper(ctx, interval)
 	go func() {
@@ -849,6 +853,10 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 			return
 		case <-s.wake:
 			s.probe(ctx)
+		case <-s.counts.ask:
+			// In its own goroutine: a count takes seconds on a large
+			// zone, and the refusals are flushed meanwhile.
+			go s.count(ctx)
 		case <-tick.C:
 			if s.state.Load() != stateDegraded {
 				fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
@@ -1203,9 +1211,9 @@ func clusterSlot(key string) uint16 {
 	return crc % 16384
 }
 
-// Len implements Store. Counters in Redis are counted only by Range, which
-// costs a full scan; Len returns the keys tracked in this process by the
-// local fallback store.
+// Len implements Store. Counters in Redis are counted only by walking them
+// (CountKeys); Len returns the keys tracked in this process by the local
+// fallback store.
 func (s *RedisStore) Len() int { return s.local.Len() }
 
 // Range implements Store. It walks the zone's count keys with SCAN (on every
