@@ -113,6 +113,9 @@ type RedisStoreOptions struct {
 	// Client is the connection to Redis, possibly shared with other stores.
 	// The store never closes it.
 	Client redis.UniversalClient
+	// Warmup is Client's warm-up, shared by the stores sharing Client.
+	// Default: one of the store's own.
+	Warmup *Warmup
 	// Prefix starts every key the store writes; it should name the zone, so
 	// zones sharing one Redis never share counters.
 	Prefix string
@@ -143,6 +146,10 @@ type RedisStoreOptions struct {
 // window resets, so a flood costs Redis nothing per request (Run adds the
 // refusals so answered to the key's refused tally once a second).
 //
+// The decisions that arrive before the client's first contact with Redis
+// ends wait for it, up to StartupWait (see Warmup), rather than fail on a
+// client still learning a Cluster's topology.
+//
 // When Redis fails or times out, the store applies its on_error mode. After
 // repeated failures it is DEGRADED and stops waiting on Redis; a probe run by
 // Run moves it to RECOVERING once Redis answers, and to HEALTHY after
@@ -152,6 +159,7 @@ type RedisStoreOptions struct {
 // concurrent use.
 type RedisStore struct {
 	client  redis.UniversalClient
+	warm    *Warmup              // the client's first contact, which the first decisions wait for
 	pipe    *redis.AutoPipeliner // batches concurrent decisions; nil: one call each
 	prefix  string
 	hashKey []byte
@@ -176,7 +184,7 @@ type RedisStore struct {
 }
 
 // NewRedisStore returns a RedisStore. It does not connect: the first decision
-// does.
+// does, and starts the client's warm-up (Warmup).
 func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 	if opts.MaxTracked <= 0 {
 		opts.MaxTracked = DefaultMaxTracked
@@ -184,8 +192,12 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
+	if opts.Warmup == nil {
+		opts.Warmup = NewWarmup(opts.Client)
+	}
 	s := &RedisStore{
 		client:     opts.Client,
+		warm:       opts.Warmup,
 		prefix:     opts.Prefix,
 		hashKey:    opts.HashKey,
 		local:      NewMemoryStore(opts.MaxTracked),
@@ -307,6 +319,9 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	if s.state.Load() == stateDegraded {
 		return s.fallback(ctx, checks, now, out, ErrRedisDegraded)
 	}
+	// A decision that arrives before the client's first contact with Redis
+	// ends waits for it, and then has its whole timeout.
+	s.awaitWarm(ctx)
 	err := s.decideRedis(ctx, checks, now, out)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -882,6 +897,7 @@ type Lease struct {
 // lease of an instance that dies lapses after ttl. An error means Redis did
 // not answer (the caller falls back as on_error says).
 func (s *RedisStore) AcquireLease(ctx context.Context, key string, maxOpen int, ttl time.Duration) (Lease, bool, error) {
+	s.awaitWarm(ctx)
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
 	var b [16]byte
