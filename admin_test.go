@@ -377,7 +377,7 @@ func TestAdminRedisTrackedKeys(t *testing.T) {
 	for i := range 30 {
 		serve(t, rl, fmt.Sprintf("192.0.2.%d", i))
 	}
-	client := loadRedisClient(rl.Store) // the zone's own: this test's server
+	client, _ := loadRedisClient(rl.Store) // the zone's own: this test's server
 	t.Cleanup(func() { releaseRedisClient(rl.Store.connKey) })
 	client.AddHook(slowScan{200 * time.Millisecond})
 
