@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -198,11 +199,25 @@ type ZoneInfo struct {
 	WindowSeconds int64 `json:"window_seconds"`
 	// Max is the number of requests admitted per key per window.
 	Max int `json:"max"`
-	// TrackedKeys is the number of keys the store tracks now. For a
-	// Redis zone they are counted in Redis (all instances' keys); while
-	// the store is DEGRADED, or if Redis fails to answer, it is the keys of
-	// this instance's local fallback store.
+	// TrackedKeys is the number of keys the store tracks. For a Redis zone
+	// they are counted in Redis (all instances' keys), in the background,
+	// one count at a time shared by every reader: the number is the last
+	// count that finished (see TrackedKeysAgeSeconds), or while none has,
+	// what the count under way has found so far (see TrackedKeysPartial).
+	// While the store is DEGRADED it is the keys of this instance's local
+	// fallback store, which decides then.
 	TrackedKeys int `json:"tracked_keys"`
+	// TrackedKeysAgeSeconds is how old the count in TrackedKeys is, in
+	// whole seconds. A count of a Redis zone is reused until ten times what
+	// it took has passed (a second at least), and a reader waits a second at
+	// most for a new one, so a large zone's count may be older than the
+	// reply. Absent when the keys were counted within the last second.
+	TrackedKeysAgeSeconds int64 `json:"tracked_keys_age_seconds,omitempty"`
+	// TrackedKeysPartial is true when no count of the Redis zone's keys has
+	// finished yet (one takes seconds for hundreds of thousands of keys):
+	// TrackedKeys is then what the counts have found so far, a lower bound
+	// that may be 0. Absent otherwise.
+	TrackedKeysPartial bool `json:"tracked_keys_partial,omitempty"`
 	// RejectedTotal is the number of requests refused since the zone was
 	// created; config reloads do not reset it.
 	RejectedTotal uint64 `json:"rejected_total"`
@@ -590,46 +605,50 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 		Policies:             policies,
 		WindowSeconds:        int64(lim.Window / time.Second),
 		Max:                  lim.Max,
-		TrackedKeys:          z.trackedKeys(ctx),
 		RejectedTotal:        z.results[resultLimited].Load(),
 		WebSocketConnections: z.wsLive.Load(),
 		Health:               z.health(),
 		HashedKeys:           z.hashedKeys(),
 	}
+	z.trackedKeys(ctx, &zi)
 	if !zi.Enabled {
 		zi.Status = "disabled"
 	}
 	return zi
 }
 
-// trackedKeysTimeout bounds the count of a Redis zone's keys in the zone
-// list.
-const trackedKeysTimeout = time.Second
+// trackedKeysWait bounds how long the zone list waits for a count of a
+// Redis zone's keys that is under way.
+const trackedKeysWait = time.Second
 
-// trackedKeys returns the number of keys the zone tracks now. A Redis
-// store's Len counts only its local fallback store, so a Redis zone's keys
-// are counted in Redis: a SCAN, paid for by the admin API only, never by
-// requests or metrics. While the store is degraded it is not asked, and if
-// it fails the local count stands in: the fallback is what decides then.
-func (z *zone) trackedKeys(ctx context.Context) int {
+// trackedKeys sets the zone's tracked keys in zi. A Redis store's Len counts
+// only its local fallback store, so a Redis zone's keys are counted in Redis
+// (CountKeys: a walk of the keyspace, paid for by the admin API only, never
+// by requests or metrics, and shared by concurrent readers). While the store
+// is degraded it is not asked: its fallback is what decides then.
+func (z *zone) trackedKeys(ctx context.Context, zi *ZoneInfo) {
 	if z.redis == nil || z.redis.Health() == limiter.HealthDegraded {
-		return z.store.Len()
+		zi.TrackedKeys = z.store.Len()
+		return
 	}
-	ctx, cancel := context.WithTimeout(ctx, trackedKeysTimeout)
+	ctx, cancel := context.WithTimeout(ctx, trackedKeysWait)
 	defer cancel()
-	n := 0
-	if err := z.redis.Range(ctx, time.Now(), func(limiter.KeyState) bool { n++; return true }); err != nil {
-		return z.store.Len()
-	}
-	return n
+	c := z.redis.CountKeys(ctx)
+	zi.TrackedKeys, zi.TrackedKeysPartial = c.N, c.Partial
+	zi.TrackedKeysAgeSeconds = int64(max(time.Since(c.At), 0) / time.Second)
 }
 
 // listZones describes every zone a loaded config names, sorted by name.
+// The zones are described concurrently, so that the list waits for the
+// counts of several Redis zones (trackedKeysWait each) at once, not in turn.
 func listZones(ctx context.Context) []ZoneInfo {
-	out := []ZoneInfo{}
-	for _, z := range liveZones() {
-		out = append(out, z.info(ctx))
+	live := liveZones()
+	out := make([]ZoneInfo, len(live))
+	var wg sync.WaitGroup
+	for i, z := range live {
+		wg.Go(func() { out[i] = z.info(ctx) })
 	}
+	wg.Wait()
 	slices.SortFunc(out, func(a, b ZoneInfo) int { return strings.Compare(a.Name, b.Name) })
 	return out
 }

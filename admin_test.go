@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"cmp"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,10 +14,14 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
 // adminDo sends one request to the admin API's handler and returns the
@@ -336,5 +341,75 @@ func TestAdminHugeOffset(t *testing.T) {
 		if got.Total != 100 || len(got.Keys) != 0 {
 			t.Errorf("%s: total %d with %d keys, want 100 and none", q, got.Total, len(got.Keys))
 		}
+	}
+}
+
+// slowScan delays every SCAN the client sends, as a Redis holding hundreds
+// of thousands of keys would make a count slow.
+type slowScan struct{ delay time.Duration }
+
+func (slowScan) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (slowScan) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h slowScan) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == "scan" {
+			time.Sleep(h.delay)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+// A Redis zone's tracked keys in the zone list: while the count of its keys
+// in Redis has not finished, the JSON says the number is partial rather than
+// showing a bare 0; once it has, the number is the count, with no age while
+// it is fresh.
+func TestAdminRedisTrackedKeys(t *testing.T) {
+	t.Parallel()
+	srv := redistest.Start(t)
+	const zone = "admin-redis-tracked"
+	rl, _ := provisionHandler(t, zone, 5, true, func(rl *RateLimit) {
+		rl.Store = &StoreConfig{Type: StoreRedis, Addresses: []string{srv.Addr}}
+	})
+	for i := range 30 {
+		serve(t, rl, fmt.Sprintf("192.0.2.%d", i))
+	}
+	client, _ := loadRedisClient(rl.Store) // the zone's own: this test's server
+	t.Cleanup(func() { releaseRedisClient(rl.Store.connKey) })
+	client.AddHook(slowScan{200 * time.Millisecond})
+
+	// zoneJSON returns the zone's entry in the zone list's JSON, as a
+	// reader that waits at most wait sees it.
+	zoneJSON := func(wait time.Duration) map[string]any {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		body, err := json.Marshal(listZones(ctx))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var zones []map[string]any
+		if err := json.Unmarshal(body, &zones); err != nil {
+			t.Fatal(err)
+		}
+		for _, z := range zones {
+			if z["name"] == zone {
+				return z
+			}
+		}
+		t.Fatalf("zone %s not in %s", zone, body)
+		return nil
+	}
+	if z := zoneJSON(20 * time.Millisecond); z["tracked_keys_partial"] != true {
+		t.Errorf("zone list while the count runs: %v, want tracked_keys_partial true", z)
+	}
+	z := zoneJSON(5 * time.Second)
+	_, partial := z["tracked_keys_partial"]
+	_, aged := z["tracked_keys_age_seconds"]
+	if z["tracked_keys"] != 30.0 || partial || aged || z["health"] != limiter.HealthHealthy {
+		t.Errorf("zone list once counted: %v, want tracked_keys 30, HEALTHY, no partial flag and no age", z)
 	}
 }

@@ -103,10 +103,24 @@ func cmdZones(cmd *cobra.Command, _ []string) error {
 		if health == "" {
 			health = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\n", z.Name, z.Status, z.Store, health,
-			time.Duration(z.WindowSeconds)*time.Second, z.Max, z.TrackedKeys, z.RejectedTotal, z.WebSocketConnections)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%d\n", z.Name, z.Status, z.Store, health,
+			time.Duration(z.WindowSeconds)*time.Second, z.Max, trackedText(z), z.RejectedTotal, z.WebSocketConnections)
 	}
 	return tw.Flush()
+}
+
+// trackedText is the zone's tracked keys for the KEYS column: with the age
+// of a Redis zone's count when it is older than the reply ("462660 (12s
+// ago)"), or ">=N" while no count has finished, so that a count under way
+// never reads as a bare 0.
+func trackedText(z ZoneInfo) string {
+	switch {
+	case z.TrackedKeysPartial:
+		return ">=" + strconv.Itoa(z.TrackedKeys)
+	case z.TrackedKeysAgeSeconds > 0:
+		return fmt.Sprintf("%d (%s ago)", z.TrackedKeys, time.Duration(z.TrackedKeysAgeSeconds)*time.Second)
+	}
+	return strconv.Itoa(z.TrackedKeys)
 }
 
 func cmdTop(cmd *cobra.Command, args []string) error {

@@ -353,22 +353,28 @@ func digest(secret string) string {
 	return hex.EncodeToString(sum[:8])
 }
 
-// redisClient is a pooled client; the pool closes it when the last zone
-// using it is gone.
+// redisClient is a pooled client and its warm-up; the pool closes it when
+// the last zone using it is gone.
 type redisClient struct {
 	redis.UniversalClient
+	warm *limiter.Warmup
 }
 
 // Destruct closes the client.
 func (c redisClient) Destruct() error { return c.Close() }
 
-// loadRedisClient returns the shared client for the config, creating it if
-// needed; it does not connect. Release it with releaseRedisClient.
-func loadRedisClient(sc *StoreConfig) redis.UniversalClient {
+// loadRedisClient returns the shared client for the config and its warm-up,
+// creating them if needed; it does not connect, since it runs in Provision
+// (for caddy validate too). The warm-up starts at the first decision of a
+// zone using the client, and the decisions that arrive before it ends wait
+// for it (limiter.Warmup). Release the client with releaseRedisClient.
+func loadRedisClient(sc *StoreConfig) (redis.UniversalClient, *limiter.Warmup) {
 	c, _, _ := redisClients.LoadOrNew(sc.connKey, func() (caddy.Destructor, error) {
-		return redisClient{redis.NewUniversalClient(sc.opts)}, nil
+		client := redis.NewUniversalClient(sc.opts)
+		return redisClient{client, limiter.NewWarmup(client)}, nil
 	})
-	return c.(redisClient).UniversalClient
+	rc := c.(redisClient)
+	return rc.UniversalClient, rc.warm
 }
 
 // releaseRedisClient lets go of the client for connKey.

@@ -160,8 +160,10 @@ func newZone(rl *RateLimit) *zone {
 	z := &zone{name: rl.Zone, seq: zoneSeq.Add(1), cancel: cancel}
 	interval := func() time.Duration { return time.Duration(z.gcInterval.Load()) }
 	if sc := rl.Store; sc.isRedis() {
+		client, warm := loadRedisClient(sc)
 		rs := limiter.NewRedisStore(limiter.RedisStoreOptions{
-			Client:     loadRedisClient(sc),
+			Client:     client,
+			Warmup:     warm,
 			Prefix:     sc.KeyPrefix + rl.Zone + ":",
 			HashKey:    sc.hashKey,
 			MaxTracked: rl.MaxTracked,

@@ -85,6 +85,22 @@
 		return s + 's';
 	}
 
+	// tracked shows a zone's tracked keys as the API gives them: a Redis
+	// zone's count may be older than the poll (its age is shown), or
+	// partial while no count has finished (a lower bound, never a bare 0).
+	function tracked(z) {
+		const cell = el('td', 'num');
+		if (z.tracked_keys_partial) {
+			cell.textContent = '\u2265 ' + z.tracked_keys;
+			cell.title = 'No count of the zone\'s keys in Redis has finished yet: at least this many';
+		} else if (z.tracked_keys_age_seconds) {
+			cell.textContent = z.tracked_keys + ' (' + seconds(z.tracked_keys_age_seconds) + ' ago)';
+		} else {
+			cell.textContent = z.tracked_keys;
+		}
+		return cell;
+	}
+
 	function renderZones(zones, now) {
 		const body = byId('zones').tBodies[0];
 		body.replaceChildren();
@@ -100,7 +116,7 @@
 				el('td', '', z.health || '—'),
 				el('td', 'num', seconds(z.window_seconds)),
 				el('td', 'num', (z.policies || []).map((p) => p.max + '/' + seconds(p.window_seconds)).join(', ') || z.max),
-				el('td', 'num', z.tracked_keys),
+				tracked(z),
 				el('td', 'num', perSec.toFixed(1)),
 				el('td', '', sparkline(z.name)),
 				el('td', 'num', z.rejected_total),

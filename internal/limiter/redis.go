@@ -120,6 +120,9 @@ type RedisStoreOptions struct {
 	// Client is the connection to Redis, possibly shared with other stores.
 	// The store never closes it.
 	Client redis.UniversalClient
+	// Warmup is Client's warm-up, shared by the stores sharing Client.
+	// Default: one of the store's own.
+	Warmup *Warmup
 	// Prefix starts every key the store writes; it should name the zone, so
 	// zones sharing one Redis never share counters.
 	Prefix string
@@ -150,6 +153,10 @@ type RedisStoreOptions struct {
 // window resets, so a flood costs Redis nothing per request (Run adds the
 // refusals so answered to the key's refused tally once a second).
 //
+// The decisions that arrive before the client's first contact with Redis
+// ends wait for it, up to StartupWait (see Warmup), rather than fail on a
+// client still learning a Cluster's topology.
+//
 // When Redis fails or times out, the store applies its on_error mode. After
 // repeated failures it is DEGRADED and stops waiting on Redis; a probe run by
 // Run moves it to RECOVERING once Redis answers, and to HEALTHY after
@@ -159,6 +166,7 @@ type RedisStoreOptions struct {
 // concurrent use.
 type RedisStore struct {
 	client  redis.UniversalClient
+	warm    *Warmup              // the client's first contact, which the first decisions wait for
 	pipe    *redis.AutoPipeliner // batches concurrent decisions; nil: one call each
 	prefix  string
 	hashKey []byte
@@ -178,10 +186,12 @@ type RedisStore struct {
 	streak     atomic.Int32 // consecutive failures when healthy, successes when recovering
 	wake       chan struct{}
 	probeEvery time.Duration
+
+	counts keyCounter // the counts of the zone's keys (CountKeys)
 }
 
 // NewRedisStore returns a RedisStore. It does not connect: the first decision
-// does.
+// does, and starts the client's warm-up (Warmup).
 func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 	if opts.MaxTracked <= 0 {
 		opts.MaxTracked = DefaultMaxTracked
@@ -189,8 +199,12 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
+	if opts.Warmup == nil {
+		opts.Warmup = NewWarmup(opts.Client)
+	}
 	s := &RedisStore{
 		client:     opts.Client,
+		warm:       opts.Warmup,
 		prefix:     opts.Prefix,
 		hashKey:    opts.HashKey,
 		local:      NewMemoryStore(opts.MaxTracked),
@@ -215,6 +229,7 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 		}
 	}
 	s.refused.init(opts.MaxTracked)
+	s.counts.init()
 	s.SetTimeout(opts.Timeout)
 	s.SetOnError(opts.OnError)
 	return s
@@ -311,6 +326,9 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	if s.state.Load() == stateDegraded {
 		return s.fallback(ctx, checks, now, out, ErrRedisDegraded)
 	}
+	// A decision that arrives before the client's first contact with Redis
+	// ends waits for it, and then has its whole timeout.
+	s.awaitWarm(ctx)
 	err := s.decideRedis(ctx, checks, now, out)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -835,8 +853,9 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 
 // Run probes Redis whenever the store is degraded, until it is healthy
 // again, adds the refusals answered in-process to the tallies in Redis every
-// second while it is not degraded, and sweeps the local fallback store every
-// interval(); it returns when ctx is done.
+// second while it is not degraded, runs the counts CountKeys asks for, and
+// sweeps the local fallback store every interval(); it returns when ctx is
+// done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.RunSweeper(ctx, interval)
 	go func() {
@@ -857,6 +876,10 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 			return
 		case <-s.wake:
 			s.probe(ctx)
+		case <-s.counts.ask:
+			// In its own goroutine: a count takes seconds on a large
+			// zone, and the refusals are flushed meanwhile.
+			go s.count(ctx)
 		case <-tick.C:
 			if s.state.Load() != stateDegraded {
 				fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
@@ -882,6 +905,7 @@ type Lease struct {
 // lease of an instance that dies lapses after ttl. An error means Redis did
 // not answer (the caller falls back as on_error says).
 func (s *RedisStore) AcquireLease(ctx context.Context, key string, maxOpen int, ttl time.Duration) (Lease, bool, error) {
+	s.awaitWarm(ctx)
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
 	var b [16]byte
@@ -1211,9 +1235,9 @@ func clusterSlot(key string) uint16 {
 	return crc % 16384
 }
 
-// Len implements Store. Counters in Redis are counted only by Range, which
-// costs a full scan; Len returns the keys tracked in this process by the
-// local fallback store.
+// Len implements Store. Counters in Redis are counted only by walking them
+// (CountKeys); Len returns the keys tracked in this process by the local
+// fallback store.
 func (s *RedisStore) Len() int { return s.local.Len() }
 
 // Range implements Store. It walks the zone's count keys with SCAN (on every
