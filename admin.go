@@ -102,6 +102,12 @@ func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 	if err != nil || strings.Contains(name, "/") || name == "." || name == ".." {
 		return apiError(http.StatusBadRequest, fmt.Errorf("invalid path %q: want /rate_limit/ZONE; a key goes in the query: DELETE /rate_limit/ZONE?key=KEY", path))
 	}
+	return serveZone(w, r, name)
+}
+
+// serveZone answers a request for zone name: its keys, or an unblock.
+func serveZone(w http.ResponseWriter, r *http.Request, name string) error {
+	var a AdminAPI
 	switch r.Method {
 	case http.MethodGet:
 		return a.handleZone(w, r, name)

@@ -29,6 +29,10 @@ const dashboardZone = "ui"
 // that slipped past the page's text rendering could run nothing.
 var dashboardPage, dashboardCSP = buildDashboard()
 
+// consolePage is the dashboard as the site handler (Console) serves it:
+// the page at the console's base, its JSON API under api/.
+var consolePage = []byte(strings.Replace(string(dashboardPage), `data-api="./"`, `data-api="./api/"`, 1))
+
 func buildDashboard() ([]byte, string) {
 	page := strings.Replace(dashboardHTML, "/*CSS*/", dashboardCSS, 1)
 	page = strings.Replace(page, "/*JS*/", dashboardJS, 1)
@@ -43,11 +47,17 @@ func buildDashboard() ([]byte, string) {
 
 // serveDashboard answers GET /rate_limit/ui with the dashboard page.
 func serveDashboard(w http.ResponseWriter, r *http.Request) error {
-	if err := allowMethod(w, r, http.MethodGet); err != nil {
-		return err
-	}
 	if _, err := parseQuery(r.URL.RawQuery); err != nil {
 		return apiError(http.StatusBadRequest, err)
+	}
+	return serveDashboardPage(w, r, dashboardPage)
+}
+
+// serveDashboardPage answers a GET with page, the dashboard as the admin
+// endpoint or the console serves it.
+func serveDashboardPage(w http.ResponseWriter, r *http.Request, page []byte) error {
+	if err := allowMethod(w, r, http.MethodGet); err != nil {
+		return err
 	}
 	h := w.Header()
 	h.Set("Content-Type", "text/html; charset=utf-8")
@@ -59,6 +69,6 @@ func serveDashboard(w http.ResponseWriter, r *http.Request) error {
 	// page's origin: Caddy's admin endpoint checks the origin of browser
 	// requests and reads it from Referer when a GET carries no Origin.
 	h.Set("Referrer-Policy", "same-origin")
-	_, err := w.Write(dashboardPage)
+	_, err := w.Write(page)
 	return err
 }

@@ -1,12 +1,13 @@
 // The rate limit dashboard. It reads the JSON admin API through relative URLs
-// only (the page is <admin>/rate_limit/ui, so "./" is <admin>/rate_limit/),
-// so it works wherever the admin endpoint is mounted, and it renders every
-// value as text: keys are chosen by clients.
+// only, from the page's data-api ("./" for <admin>/rate_limit/ui, whose API
+// is <admin>/rate_limit/; "./api/" for the site's console at <base>), so it
+// works wherever it is mounted, and it renders every value as text: keys
+// are chosen by clients.
 'use strict';
 (function () {
 	const pollMs = 3000;
 	const points = 60; // three minutes of history at one point per poll
-	const api = './';
+	const api = document.documentElement.dataset.api || './';
 	const byId = (id) => document.getElementById(id);
 	const history = new Map(); // zone name -> [{t, total}]
 	const countdowns = []; // {cell, reset}

@@ -1,0 +1,145 @@
+package tests
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// consoleHash is the bcrypt hash of consolePassword (cost 4: fast enough
+// for a test that checks it on every request).
+const (
+	consoleUser     = "ops"
+	consolePassword = "console-secret"
+	consoleHash     = "$2a$04$5MceBzf5OHZKFeaUuaHOZeltXmC.ZhpF035SmlOyiJCpJKnZAXs66"
+)
+
+// consoleSite is a site with a limited route and the console under
+// /rate-limits behind basic_auth, a read-only one under /view, and one
+// mounted with handle_path under /mounted.
+const consoleSite = `
+:$PORT {
+	route /app {
+		rate_limit {
+			zone %s
+			window 60
+			max 1
+		}
+		respond "app"
+	}
+	basic_auth /rate-limits* {
+		%s %s
+	}
+	rate_limit_console /rate-limits*
+	route /view* {
+		rate_limit_console {
+			read_only
+		}
+	}
+	handle_path /mounted* {
+		rate_limit_console
+	}
+}`
+
+// consoleDo sends method to the site's path with the console's credentials
+// and headers (name, value pairs), and returns the status, the headers and
+// the body.
+func consoleDo(t *testing.T, s *server, method, path string, headers ...string) (int, http.Header, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, s.Base+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.SetBasicAuth(consoleUser, consolePassword)
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	noRedirect := *client
+	noRedirect.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	resp, err := noRedirect.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, string(body)
+}
+
+// The console serves the dashboard and the admin API's JSON in a site,
+// behind its basic_auth: the page at the base (a path without the slash
+// redirects there, relative to what was typed), zones and keys below api/,
+// an unblock by DELETE from the site itself only, none when read_only.
+func TestConsoleSiteHandler(t *testing.T) {
+	zone := "e2e-console"
+	s := startCaddy(t, trustLoopback, fmt.Sprintf(consoleSite, zone, consoleUser, consoleHash))
+	for range 3 {
+		request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120")
+	}
+
+	// Without credentials: the site's authentication answers.
+	resp := request(t, s.Base, "/rate-limits/")
+	wantStatus(t, resp, http.StatusUnauthorized)
+
+	for _, tc := range []struct{ path, location string }{
+		{"/rate-limits", "./rate-limits/"},
+		{"/mounted", "./mounted/"},
+		{"/view?x=1", "./view/?x=1"},
+	} {
+		status, h, _ := consoleDo(t, s, http.MethodGet, tc.path)
+		if status != http.StatusPermanentRedirect || h.Get("Location") != tc.location {
+			t.Errorf("GET %s: %d, Location %q; want 308 to %q", tc.path, status, h.Get("Location"), tc.location)
+		}
+	}
+	for _, base := range []string{"/rate-limits/", "/mounted/", "/view/"} {
+		status, h, body := consoleDo(t, s, http.MethodGet, base)
+		if status != http.StatusOK || !strings.Contains(body, `data-api="./api/"`) || !strings.Contains(h.Get("Content-Security-Policy"), "connect-src 'self'") {
+			t.Fatalf("GET %s: %d, CSP %q; want the page, reading ./api/ under its CSP", base, status, h.Get("Content-Security-Policy"))
+		}
+		status, _, body = consoleDo(t, s, http.MethodGet, base+"api/")
+		var zones []struct {
+			Name string `json:"name"`
+		}
+		if status != http.StatusOK || json.Unmarshal([]byte(body), &zones) != nil || !strings.Contains(body, `"name":"`+zone+`"`) {
+			t.Fatalf("GET %sapi/: %d %s; want the zone list with %s", base, status, body, zone)
+		}
+		status, _, body = consoleDo(t, s, http.MethodGet, base+"api/"+zone)
+		if status != http.StatusOK || !strings.Contains(body, `"key":"198.51.100.120"`) {
+			t.Fatalf("GET %sapi/%s: %d %s; want the key listed", base, zone, status, body)
+		}
+	}
+
+	unblock := "/rate-limits/api/" + zone + "?key=198.51.100.120"
+	for _, headers := range [][]string{
+		{"Sec-Fetch-Site", "cross-site"},
+		{"Sec-Fetch-Site", "same-site"},
+		{"Origin", "http://evil.example"},
+		{"Origin", "null"},
+	} {
+		status, _, body := consoleDo(t, s, http.MethodDelete, unblock, headers...)
+		if status != http.StatusForbidden || !strings.Contains(body, `"error":"cross-site request refused`) {
+			t.Errorf("DELETE with %s: %d %s; want 403 cross-site", headers, status, body)
+		}
+	}
+	if status, _, body := consoleDo(t, s, http.MethodGet, unblock); status != http.StatusBadRequest {
+		t.Fatalf("GET %s: %d %s; want 400 (unblock only by DELETE)", unblock, status, body)
+	}
+	wantStatus(t, request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120"), http.StatusTooManyRequests)
+	status, _, body := consoleDo(t, s, http.MethodDelete, "/view/api/"+zone+"?key=198.51.100.120", "Sec-Fetch-Site", "same-origin")
+	if status != http.StatusForbidden || !strings.Contains(body, "read_only") {
+		t.Fatalf("DELETE through the read_only console: %d %s; want 403", status, body)
+	}
+	wantStatus(t, request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120"), http.StatusTooManyRequests)
+
+	status, _, body = consoleDo(t, s, http.MethodDelete, unblock, "Sec-Fetch-Site", "same-origin", "Origin", s.Base)
+	if status != http.StatusOK || !strings.Contains(body, `"forgotten":true`) {
+		t.Fatalf("DELETE from the site: %d %s; want the key forgotten", status, body)
+	}
+	wantStatus(t, request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120"), http.StatusOK)
+	status, _, body = consoleDo(t, s, http.MethodGet, "/rate-limits/api/no-such-zone")
+	if status != http.StatusNotFound || !strings.Contains(body, `"error":"unknown rate limit zone`) {
+		t.Fatalf("GET an unknown zone: %d %s; want a JSON 404", status, body)
+	}
+}
