@@ -34,10 +34,12 @@ const (
 	// may not pass it. A page of ranks offset to offset+limit is selected
 	// from the best offset+limit matches, which the listing holds while it
 	// scans (up to twice as many, see topKeys), so this is what bounds a
-	// listing's memory whatever the zone's size: 20,000 KeyStates, about
-	// 2 MB. Ten full pages of the busiest keys are more than anyone reads
-	// to find who hammers hardest; any key past them is reached by
-	// narrowing the matches (q, policy, limited), which the depth counts.
+	// listing's memory whatever the zone's size: 20,000 KeyStates of 104
+	// bytes with their keys, about 2.5 MB with IP keys, 5 MB with the
+	// longest custom keys. Ten full pages of the busiest keys are more than
+	// anyone reads to find who hammers hardest; any key past them is
+	// reached by narrowing the matches (q, policy, limited), which the depth
+	// counts.
 	MaxListDepth = 10 * MaxPageSize
 )
 
@@ -526,6 +528,10 @@ func (t *topKeys) offer(ks limiter.KeyState) {
 	if t.k <= 0 || t.trimmed && !ranksBefore(ks, t.cutoff) {
 		return
 	}
+	// A copy of the key: the memory store cuts a shard's keys from one
+	// buffer, which a kept key would otherwise keep whole, and the kept keys
+	// come from every shard.
+	ks.Key = strings.Clone(ks.Key)
 	t.items = append(t.items, ks)
 	t.peak = max(t.peak, len(t.items))
 	if len(t.items) >= 2*t.k && len(t.items) >= 64 {
