@@ -30,6 +30,18 @@ func init() {
 const (
 	DefaultPageSize = 100  // keys per page when the query gives no limit
 	MaxPageSize     = 1000 // the most keys one page may ask for
+
+	// MaxListDepth is the most matches a listing reaches into: offset+limit
+	// may not pass it. A page of ranks offset to offset+limit is selected
+	// from the best offset+limit matches, which the listing holds while it
+	// scans (up to twice as many, see topKeys), so this is what bounds a
+	// listing's memory whatever the zone's size: 20,000 KeyStates of 104
+	// bytes with their keys, about 2.5 MB with IP keys, 5 MB with the
+	// longest custom keys. Ten full pages of the busiest keys are more than
+	// anyone reads to find who hammers hardest; any key past them is
+	// reached by narrowing the matches (q, policy, limited), which the depth
+	// counts.
+	MaxListDepth = 10 * MaxPageSize
 )
 
 // adminPrefix is the path every endpoint of the admin API is under.
@@ -47,8 +59,8 @@ const adminPrefix = "/rate_limit/"
 //
 // The key listing takes the query parameters limited=true (only keys over
 // their limit now), q=<prefix> (only keys starting with it), offset and limit
-// (default 100, at most 1000). Each listed key comes with its unblock path,
-// escaped and ready to use.
+// (default 100, at most 1000; offset+limit at most MaxListDepth). Each listed
+// key comes with its unblock path, escaped and ready to use.
 //
 // A key is text a client chose, so it never travels in the path: a key such
 // as "/../../config/" there would be resolved by the HTTP client or Go's mux
@@ -379,70 +391,27 @@ func parseListQuery(params map[string]string) (listQuery, error) {
 			}
 		}
 	}
+	if q.offset > MaxListDepth-q.pageSize { // not offset+pageSize: it may overflow
+		return q, fmt.Errorf("invalid offset %d with limit %d: offset+limit must be at most %d; narrow the listing with q, policy or limited=true to reach further keys",
+			q.offset, q.pageSize, MaxListDepth)
+	}
 	return q, nil
 }
 
-// list returns one page of the zone's keys that match q. The store copies
-// its keys one shard at a time, so no lock is held while matches are ranked;
-// only the best offset+limit matches are kept, so a page of a large zone
-// costs one pass and little memory.
+// list returns one page of the zone's keys that match q.
 func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, error) {
 	limits := z.limits()
 	if q.policy != "" && !slices.ContainsFunc(limits, func(l namedLimit) bool { return l.name == q.policy }) {
 		return KeyList{}, apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", q.policy, z.name))
 	}
-	// limitOf returns the limit a listed key is counted in.
-	limitOf := func(storeName string) (namedLimit, bool) {
-		for _, l := range limits {
-			if l.storeName == storeName {
-				return l, true
-			}
-		}
-		return namedLimit{}, false
-	}
-	k := q.offset + q.pageSize
-	if k < q.offset { // overflow: keep everything
-		k = math.MaxInt
-	}
-	size := z.store.Len() + 1 // room for every match, or for 2k when k is small
-	if k < size/2 {
-		size = 2 * k
-	}
-	best := topKeys{k: k, items: make([]limiter.KeyState, 0, size)}
-	total := 0
-	t := now.UnixNano()
-	err := z.store.Range(ctx, now, func(ks limiter.KeyState) bool {
-		l, ok := limitOf(ks.Name)
-		if !ok || (q.policy != "" && l.name != q.policy) {
-			return true // a limit the config no longer has, or filtered out
-		}
-		// A window a reload shortened is listed as it now ends. A banned
-		// key is listed until its ban ends, and a GCRA bucket may be
-		// deeper than a window: neither is cut.
-		if !ks.BannedUntil.After(now) && !l.limit.GCRA {
-			reset := l.limit.End(ks.Reset.UnixNano(), t)
-			if t >= reset {
-				return true
-			}
-			ks.Reset = time.Unix(0, reset)
-		}
-		if !strings.HasPrefix(ks.Key, q.prefix) {
-			return true
-		}
-		if _, limited := l.limit.Weigh(ks, now); q.limitedOnly && !limited {
-			return true
-		}
-		total++
-		best.offer(ks)
-		return true
-	})
+	best, total, err := z.matches(ctx, q, now, limits)
 	if err != nil {
 		return KeyList{}, err
 	}
 	page := best.page(q.offset, q.pageSize)
 	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
-		l, _ := limitOf(ks.Name)
+		l, _ := limitStored(limits, ks.Name)
 		held, limited := l.limit.Weigh(ks, now)
 		quota, count := l.limit.Max, ks.Count
 		if l.limit.GCRA {
@@ -467,6 +436,71 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		out.Keys = append(out.Keys, ki)
 	}
 	return out, nil
+}
+
+// matches counts the zone's keys that match q and keeps the best
+// offset+limit of them. The store copies its keys one shard at a time, so no
+// lock is held while matches are ranked; keeping only the best offset+limit
+// (which parseListQuery caps at MaxListDepth) makes a page of a large zone
+// cost one pass and bounded memory.
+func (z *zone) matches(ctx context.Context, q listQuery, now time.Time, limits []namedLimit) (*topKeys, int, error) {
+	best := &topKeys{k: q.offset + q.pageSize}
+	if s, ok := z.store.(limiter.RangeSizer); ok {
+		n := s.RangeLen()
+		if q.offset >= n {
+			// The page starts past every key the store could list, so
+			// it is empty however they rank: count the matches for the
+			// total and hold none. (Keys added during the scan may take
+			// the total past the offset; the page is empty all the
+			// same, as it would have been a moment earlier.)
+			best.k = 0
+		}
+		// Room for every match, or for the 2k that are held at most. A
+		// store that cannot size itself (Redis) lets the buffer grow.
+		best.items = make([]limiter.KeyState, 0, min(n+1, 2*best.k))
+	}
+	total := 0
+	t := now.UnixNano()
+	err := z.store.Range(ctx, now, func(ks limiter.KeyState) bool {
+		l, ok := limitStored(limits, ks.Name)
+		if !ok || (q.policy != "" && l.name != q.policy) {
+			return true // a limit the config no longer has, or filtered out
+		}
+		// A window a reload shortened is listed as it now ends. A banned
+		// key is listed until its ban ends, and a GCRA bucket may be
+		// deeper than a window: neither is cut.
+		if !ks.BannedUntil.After(now) && !l.limit.GCRA {
+			reset := l.limit.End(ks.Reset.UnixNano(), t)
+			if t >= reset {
+				return true
+			}
+			ks.Reset = time.Unix(0, reset)
+		}
+		if !strings.HasPrefix(ks.Key, q.prefix) {
+			return true
+		}
+		if _, limited := l.limit.Weigh(ks, now); q.limitedOnly && !limited {
+			return true
+		}
+		total++
+		best.offer(ks)
+		return true
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	return best, total, nil
+}
+
+// limitStored returns the limit of limits that the store keys as
+// storeName, which a listed key is counted in.
+func limitStored(limits []namedLimit, storeName string) (namedLimit, bool) {
+	for _, l := range limits {
+		if l.storeName == storeName {
+			return l, true
+		}
+	}
+	return namedLimit{}, false
 }
 
 // namedLimit is one limit of a zone as the admin API shows it.
@@ -497,15 +531,17 @@ func ranksBefore(a, b limiter.KeyState) bool {
 }
 
 // topKeys keeps the k best-ranked keys offered to it. It buffers offers and,
-// each time it holds 2k, keeps only the best k; from then on an offer that
-// does not rank before the k-th best costs one comparison. Selection is by
-// quickselect with random pivots, so a listing costs time linear in the
-// number of keys on average, whatever the page, and O(k) memory.
+// each time it holds 2k (at least 64), keeps only the best k; from then on an
+// offer that does not rank before the k-th best costs one comparison.
+// Selection is by quickselect with random pivots, so a listing costs time
+// linear in the number of keys on average, whatever the page, and holds at
+// most max(2k, 64) keys at once (peak says how many it did).
 type topKeys struct {
 	k       int
 	items   []limiter.KeyState
 	cutoff  limiter.KeyState // the k-th best after the last trim
 	trimmed bool             // cutoff is set
+	peak    int              // the most keys items held at once
 }
 
 // offer considers ks for the top k.
@@ -513,8 +549,13 @@ func (t *topKeys) offer(ks limiter.KeyState) {
 	if t.k <= 0 || t.trimmed && !ranksBefore(ks, t.cutoff) {
 		return
 	}
+	// A copy of the key: the memory store cuts a shard's keys from one
+	// buffer, which a kept key would otherwise keep whole, and the kept keys
+	// come from every shard.
+	ks.Key = strings.Clone(ks.Key)
 	t.items = append(t.items, ks)
-	if len(t.items)/2 >= t.k && len(t.items) >= 64 { // not 2*t.k: t.k may be near MaxInt
+	t.peak = max(t.peak, len(t.items))
+	if len(t.items) >= 2*t.k && len(t.items) >= 64 {
 		selectRank(t.items, t.k-1)
 		clear(t.items[t.k:])
 		t.items = t.items[:t.k]

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -132,7 +133,7 @@ func TestAdminListKeys(t *testing.T) {
 		{"?offset=2&limit=2", 5, []string{"203.0.113.9", "198.51.100.1"}},
 		{"?offset=4&limit=2", 5, []string{"203.0.113.7"}},
 		{"?offset=99", 5, []string{}},
-		{"?offset=9223372036854775807&limit=1000", 5, []string{}},
+		{"?offset=9000&limit=1000", 5, []string{}}, // the deepest page
 		{"?q=203.0.113.&offset=1&limit=1", 4, []string{"203.0.113.10"}},
 	}
 	for _, tt := range tests {
@@ -263,6 +264,12 @@ func TestAdminErrors(t *testing.T) {
 		{http.MethodGet, "/rate_limit/admin-errors?limit=1001", http.StatusBadRequest, `invalid limit "1001"`},
 		{http.MethodGet, "/rate_limit/admin-errors?limit=ten", http.StatusBadRequest, `invalid limit "ten"`},
 		{http.MethodGet, "/rate_limit/admin-errors?offset=-1", http.StatusBadRequest, `invalid offset "-1"`},
+		// offset+limit is capped at MaxListDepth, whatever the zone holds.
+		{http.MethodGet, "/rate_limit/admin-errors?offset=9001&limit=1000", http.StatusBadRequest, "invalid offset 9001 with limit 1000: offset+limit must be at most 10000"},
+		{http.MethodGet, "/rate_limit/admin-errors?offset=9901", http.StatusBadRequest, "invalid offset 9901 with limit 100: offset+limit must be at most 10000"},
+		{http.MethodGet, "/rate_limit/admin-errors?offset=9223372036854775000&limit=1000", http.StatusBadRequest, "invalid offset 9223372036854775000 with limit 1000: offset+limit must be at most 10000"},
+		{http.MethodGet, "/rate_limit/admin-errors?offset=9223372036854775807&limit=1", http.StatusBadRequest, "offset+limit must be at most 10000"},
+		{http.MethodGet, "/rate_limit/admin-errors?offset=9223372036854775808", http.StatusBadRequest, `invalid offset "9223372036854775808"`},
 		{http.MethodGet, "/rate_limit/admin-errors?limited=yes", http.StatusBadRequest, `invalid limited "yes"`},
 		{http.MethodGet, "/rate_limit/admin-errors?limted=true", http.StatusBadRequest, `unknown query parameter "limted"`},
 	}
@@ -305,7 +312,7 @@ func TestTopKeysMatchesFullSort(t *testing.T) {
 }
 
 // BenchmarkList100k lists a zone tracking 100,000 keys: the first page of
-// 1000, a page near the end, and a filtered listing.
+// 1000, the deepest page MaxListDepth allows, and a filtered listing.
 func BenchmarkList100k(b *testing.B) {
 	rl, _ := provisionHandler(b, "admin-bench-100k", 5, true)
 	for i := range 100_000 {
@@ -314,7 +321,7 @@ func BenchmarkList100k(b *testing.B) {
 	if n := rl.zone.store.Len(); n != 100_000 {
 		b.Fatalf("tracked %d keys, want 100000", n)
 	}
-	for _, query := range []string{"?limit=1000", "?offset=99000&limit=1000", "?limited=true&q=10.1.&limit=1000"} {
+	for _, query := range []string{"?limit=1000", "?offset=9000&limit=1000", "?limited=true&q=10.1.&limit=1000"} {
 		b.Run(query, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
@@ -327,20 +334,61 @@ func BenchmarkList100k(b *testing.B) {
 	}
 }
 
-// Offsets near the largest int on a zone big enough to trim its candidates
-// give an empty page, never a crash.
-func TestAdminHugeOffset(t *testing.T) {
+// A listing holds at most 2×(offset+limit) keys while it scans (at least 64
+// before its first trim), and none when its page starts past every key the
+// zone tracks; a filter the store cannot judge ahead holds at most its
+// matches.
+func TestAdminListingKeysHeld(t *testing.T) {
 	t.Parallel()
-	rl, _ := provisionHandler(t, "admin-huge-offset", 5, true)
-	for i := range 100 {
-		hitN(t, rl, fmt.Sprintf("192.0.2.%d", i), 1+i%3)
+	rl, _ := provisionHandler(t, "admin-held", 5, true)
+	const keys = 300 // 10.0.0.0-10.0.0.255, 10.0.1.0-10.0.1.43
+	for i := range keys {
+		hitN(t, rl, fmt.Sprintf("10.0.%d.%d", i>>8, i&255), 1+i%3)
 	}
-	for _, q := range []string{"?offset=9223372036854775000&limit=1000", "?offset=4611686018427387904&limit=10", "?offset=9223372036854775807"} {
-		var got KeyList
-		adminGet(t, "/rate_limit/admin-huge-offset"+q, &got)
-		if got.Total != 100 || len(got.Keys) != 0 {
-			t.Errorf("%s: total %d with %d keys, want 100 and none", q, got.Total, len(got.Keys))
-		}
+	tests := []struct {
+		query     string
+		wantTotal int
+		wantPage  int
+		maxHeld   int
+	}{
+		{"", keys, 100, 200},
+		{"?limit=10", keys, 10, 64},
+		{"?offset=290&limit=10", keys, 10, keys},
+		{"?offset=299&limit=1000", keys, 1, keys},
+		{"?offset=300&limit=10", keys, 0, 0}, // at the count
+		{"?offset=301", keys, 0, 0},
+		{"?offset=9000&limit=1000", keys, 0, 0}, // the deepest page
+		{"?q=10.0.0.&offset=250", 256, 6, 256},
+		{"?q=10.0.1.&offset=100", 44, 0, 44},
+	}
+	for _, tt := range tests {
+		t.Run(tt.query, func(t *testing.T) {
+			params, err := parseQuery(strings.TrimPrefix(tt.query, "?"), "q", "offset", "limit")
+			if err != nil {
+				t.Fatal(err)
+			}
+			q, err := parseListQuery(params)
+			if err != nil {
+				t.Fatal(err)
+			}
+			best, total, err := rl.zone.matches(context.Background(), q, time.Now(), rl.zone.limits())
+			if err != nil {
+				t.Fatal(err)
+			}
+			page := best.page(q.offset, q.pageSize)
+			if total != tt.wantTotal || len(page) != tt.wantPage {
+				t.Errorf("total %d with a page of %d, want %d and %d", total, len(page), tt.wantTotal, tt.wantPage)
+			}
+			if best.peak > tt.maxHeld {
+				t.Errorf("held %d keys at once, want at most %d", best.peak, tt.maxHeld)
+			}
+			// What the endpoint answers agrees.
+			var got KeyList
+			adminGet(t, "/rate_limit/admin-held"+tt.query, &got)
+			if got.Total != tt.wantTotal || len(got.Keys) != tt.wantPage {
+				t.Errorf("GET: total %d with %d keys, want %d and %d", got.Total, len(got.Keys), tt.wantTotal, tt.wantPage)
+			}
+		})
 	}
 }
 
@@ -412,4 +460,57 @@ func TestAdminRedisTrackedKeys(t *testing.T) {
 	if z["tracked_keys"] != 30.0 || partial || aged || z["health"] != limiter.HealthHealthy {
 		t.Errorf("zone list once counted: %v, want tracked_keys 30, HEALTHY, no partial flag and no age", z)
 	}
+}
+
+// A key banned past its window, whose window the sweep has purged, is still
+// listed from the first page: the listing's "past every key" shortcut
+// counts bans as well as windows.
+func TestAdminListsBanPastItsWindow(t *testing.T) {
+	t.Parallel()
+	rl, _ := provisionHandler(t, "admin-ban-swept", 5, true)
+	ban := limiter.Check{Key: "203.0.113.66", Limit: limiter.Limit{Window: time.Second, Max: 1, Ban: time.Hour}}
+	start := time.Now()
+	out := make([]limiter.Verdict, 1)
+	for range 2 {
+		if err := rl.zone.store.Decide(context.Background(), []limiter.Check{ban}, start, out); err != nil {
+			t.Fatal(err)
+		}
+	}
+	later := start.Add(2 * time.Second)
+	if n := rl.zone.mem.Sweep(later); n != 1 || rl.zone.store.Len() != 0 {
+		t.Fatalf("sweep purged %d windows and left %d, want 1 and 0", n, rl.zone.store.Len())
+	}
+	got, err := rl.zone.list(context.Background(), listQuery{pageSize: DefaultPageSize}, later)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Total != 1 || len(got.Keys) != 1 || got.Keys[0].Key != ban.Key || got.Keys[0].BannedUntil == 0 {
+		t.Errorf("listing = %+v, want %s, banned", got, ban.Key)
+	}
+}
+
+// While a listing holds its page, the heap holds that page and not the text
+// of the zone's keys: the memory store cuts a shard's keys from one buffer,
+// and a kept key must not keep its shard's buffer whole. (Not parallel: it
+// reads the heap's size.)
+func TestAdminListingLetsGoOfZoneKeys(t *testing.T) {
+	rl, _ := provisionHandler(t, "admin-unpinned", 5, true)
+	const keys = 40_000 // 15 bytes of text each when pinned: 600 KB
+	for i := range keys {
+		hitN(t, rl, fmt.Sprintf("10.%d.%d.%d", i>>16, (i>>8)&255, i&255), 1+i%7)
+	}
+	var before, during runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	best, total, err := rl.zone.matches(context.Background(), listQuery{pageSize: DefaultPageSize}, time.Now(), rl.zone.limits())
+	if err != nil || total != keys {
+		t.Fatalf("matches: %d, %v; want %d", total, err, keys)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&during)
+	grew := int64(during.HeapAlloc) - int64(before.HeapAlloc)
+	if grew > 128<<10 {
+		t.Errorf("the heap grew by %d KB while a page of %d keys (%d held) was held, want at most 128 KB", grew>>10, DefaultPageSize, len(best.items))
+	}
+	runtime.KeepAlive(best)
 }

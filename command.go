@@ -30,7 +30,11 @@ under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
   caddy rate-limit unblock <zone> <key>   forget the key now [--policy <name>]
 
 The admin endpoint is found as 'caddy reload' finds it: --address if given,
-else the admin address of the --config file, else ` + "localhost:2019" + `.`,
+else the admin address of the --config file, else ` + "localhost:2019" + `.
+
+Keys are text that clients choose: a key that is not printable ASCII without
+spaces is printed quoted, in ASCII with Go's escapes, so that the table stays
+aligned and no key passes for columns of its own. --json gives keys as they are.`,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "Address of the administration API listener, if different from config")
 			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from")
@@ -146,7 +150,12 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	if err := json.Unmarshal(body, &list); err != nil {
 		return fmt.Errorf("decoding the key list: %v", err)
 	}
-	out := cmd.OutOrStdout()
+	return printKeys(cmd.OutOrStdout(), list, time.Now())
+}
+
+// printKeys prints a page of keys as top shows it: a table, then a line
+// with how many keys matched; resets are counted from now.
+func printKeys(out io.Writer, list KeyList, now time.Time) error {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tPOLICY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
 	for _, k := range list.Keys {
@@ -159,12 +168,12 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 			limited, reset = "banned", max(reset, k.BannedUntil)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Policy, k.Count, k.Refused, k.Remaining,
-			max(time.Until(time.Unix(reset, 0)).Truncate(time.Second), 0), limited)
+			max(time.Unix(reset, 0).Sub(now).Truncate(time.Second), 0), limited)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(out, "%d of %d keys in zone %s\n", len(list.Keys), list.Total, list.Zone)
+	_, err := fmt.Fprintf(out, "%d of %d keys in zone %s\n", len(list.Keys), list.Total, list.Zone)
 	return err
 }
 
@@ -182,12 +191,23 @@ func cmdUnblock(cmd *cobra.Command, args []string) error {
 	return err
 }
 
-// terminalText returns a key as it may be printed to a terminal: as it is
-// when printable, quoted with Go escapes otherwise, so that no key can move
-// the cursor or recolour the screen.
+// terminalText returns a key as it may be printed in a table: as it is when
+// it is plain, otherwise quoted with Go's escapes in ASCII
+// (strconv.QuoteToASCII). A key is client-chosen text, and a table trusts
+// each cell to be one column wide per byte and free of layout: a space or a
+// tab could make a key pass for columns of its own ("1.2.3.4   999   0"),
+// any non-ASCII character may be two columns wide (CJK, emoji) or none
+// (zero-width, combining), reorder the line (bidi overrides) or not be
+// text at all, and a control character could move the cursor or recolour
+// the screen. So plain is non-empty printable ASCII without spaces, and not
+// starting with a quote, which would read as a quoted key.
 func terminalText(s string) string {
-	if printable(s) {
+	plain := s != "" && s[0] != '"'
+	for i := 0; i < len(s) && plain; i++ {
+		plain = '!' <= s[i] && s[i] <= '~'
+	}
+	if plain {
 		return s
 	}
-	return strconv.Quote(s)
+	return strconv.QuoteToASCII(s)
 }

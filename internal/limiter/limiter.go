@@ -241,6 +241,15 @@ type Store interface {
 	Ban(ctx context.Context, c Check, now time.Time) (time.Time, error)
 }
 
+// RangeSizer is a Store that knows, without a scan, an upper bound on what
+// Range lists, so a reader can tell a request that reaches past every key
+// before paying for the scan.
+type RangeSizer interface {
+	// RangeLen returns at least the number of KeyStates Range would list
+	// now, give or take keys being added meanwhile.
+	RangeLen() int
+}
+
 // sliding returns the requests the sliding-window counter holds against a
 // key at t: prev weighted by the part of the previous window that a window
 // ending at t would still overlap (the window in progress ends at reset),

@@ -883,6 +883,10 @@ func (sh *memShard) compact() {
 // Len implements Store.
 func (s *MemoryStore) Len() int { return int(s.tracked.Load()) }
 
+// RangeLen implements RangeSizer: the windows tracked plus the bans, since
+// Range lists a ban on its own once its window has ended.
+func (s *MemoryStore) RangeLen() int { return int(s.tracked.Load() + s.banned.Load()) }
+
 // Range implements Store. It copies one shard at a time under that shard's
 // lock and calls fn with no lock held. A sliding window is listed until it
 // ends, like a fixed one.
@@ -1073,4 +1077,7 @@ func (s *MemoryStore) sweepAfter(ctx context.Context, d time.Duration) bool {
 }
 
 // Interface guards
-var _ Store = (*MemoryStore)(nil)
+var (
+	_ Store      = (*MemoryStore)(nil)
+	_ RangeSizer = (*MemoryStore)(nil)
+)
