@@ -402,7 +402,8 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	ctx := r.Context()
 	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if len(rl.exemptRanges) > 0 && rl.exempt(vars) {
+	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
+	if len(rl.exemptRanges) > 0 && rl.exempt(ip) {
 		return next.ServeHTTP(w, r)
 	}
 	if rl.cutRedis != nil {
@@ -416,17 +417,17 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// runtime on every request. A request whose handlers panic (Caddy
 	// recovers) leaves its buffer to the collector.
 	d := decisions.Get().(*decision)
-	err := rl.serve(w, r, next, d, vars)
+	err := rl.serve(w, r, next, d, vars, ip)
 	d.release()
 	return err
 }
 
-// serve decides the request with the buffer d and answers it or passes
-// it on.
-func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, vars map[string]any) error {
+// serve decides the request, whose variables are vars and client IP ip,
+// with the buffer d and answers it or passes it on.
+func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, vars map[string]any, ip string) error {
 	ctx := r.Context()
 	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	ipKey := rl.ipKey(vars)
+	ipKey := rl.ipKey(ip)
 	checks, of, out := &d.checks, &d.of, &d.out
 	// Every limit's key first: a limit that rejects a request without its
 	// key wins whatever the order; a limit with no key at all (no client
@@ -732,10 +733,8 @@ func (rl *RateLimit) startRedisCut() {
 	}()
 }
 
-// ipKey returns the client IP key of the request whose variables are
-// vars, or "" if it has none.
-func (rl *RateLimit) ipKey(vars map[string]any) string {
-	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
+// ipKey returns the key of client IP ip, or "" if there is none.
+func (rl *RateLimit) ipKey(ip string) string {
 	if ip == "" {
 		return ""
 	}

@@ -158,7 +158,7 @@ func keyOf(t *testing.T, rl *RateLimit, ip string, headers ...string) string {
 		r.Header.Set(headers[i], headers[i+1])
 	}
 	repl := caddyhttp.NewTestReplacer(r)
-	key, err := rl.policies[0].resolve(repl, r.Header, rl.ipKey(map[string]any{caddyhttp.ClientIPVarKey: ip}))
+	key, err := rl.policies[0].resolve(repl, r.Header, rl.ipKey(ip))
 	if err != nil {
 		t.Fatal(err)
 	}
