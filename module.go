@@ -237,6 +237,10 @@ type RateLimit struct {
 
 	holdID uint64 // the handler's hold on its zone
 
+	// proxy notices requests through a trusted proxy whose client IP the
+	// client wrote; nil when no client can choose its key that way.
+	proxy *proxyWatch
+
 	// cutRedis, when set, runs once, at the handler's first request, the
 	// cuts of the Redis windows that shorter windows end.
 	cutRedis *sync.Once
@@ -361,6 +365,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 	rl.zone = z.(*zone)
 	rl.zone.hold(rl)
+	rl.watchProxy(ctx)
 
 	if reg := ctx.GetMetricsRegistry(); reg != nil {
 		if err := registerMetrics(reg); err != nil {
@@ -403,6 +408,13 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	ctx := r.Context()
 	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
 	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
+	// Until the first request through a trusted proxy, a request whose
+	// client IP is not its peer's asks whether it came through one; after
+	// it, nothing is asked. Before exempt: a client can claim an exempt
+	// address as well.
+	if rl.proxy != nil && !rl.proxy.seen.Load() && !fromPeer(r.RemoteAddr, ip) {
+		rl.noticeProxy(vars)
+	}
 	if len(rl.exemptRanges) > 0 && rl.exempt(ip) {
 		return next.ServeHTTP(w, r)
 	}
