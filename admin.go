@@ -248,6 +248,17 @@ type ZoneInfo struct {
 	// HashedKeys is true when the zone's keys are stored as HMAC-SHA256
 	// hashes (a Redis store with hash_keys).
 	HashedKeys bool `json:"hashed_keys,omitempty"`
+	// SpoofableKey is true while a handler holding the zone goes by a
+	// client IP (its key, a limit's key or its missing ip, exempt, or
+	// ws_max_connections_per_ip) that clients choose: a request reached it
+	// through one of the server's trusted_proxies while
+	// trusted_proxies_strict is off and the client IP comes from a header
+	// that lists addresses (X-Forwarded-For, the default), whose leftmost
+	// entry the client writes. The fix: trusted_proxies_strict, with every
+	// proxy in front of Caddy in trusted_proxies. It is recomputed on a
+	// reload, from the new config's first proxied request. Absent when
+	// false.
+	SpoofableKey bool `json:"spoofable_key,omitempty"`
 }
 
 // PolicyInfo is one limit of a zone in the reply to GET /rate_limit/.
@@ -312,6 +323,10 @@ type KeyList struct {
 	// keys listed are then HMAC-SHA256 hashes of the client keys, and
 	// DELETE takes either the hash or the client key.
 	HashedKeys bool `json:"hashed_keys,omitempty"`
+	// SpoofableKey is true while clients behind a trusted proxy choose
+	// their own key in the zone, as in the zone list (ZoneInfo): the keys
+	// listed may be addresses they made up.
+	SpoofableKey bool `json:"spoofable_key,omitempty"`
 	// Keys is the page; an empty page is [].
 	Keys []KeyInfo `json:"keys"`
 }
@@ -409,7 +424,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		return KeyList{}, err
 	}
 	page := best.page(q.offset, q.pageSize)
-	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), Keys: make([]KeyInfo, 0, len(page))}
+	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), SpoofableKey: z.spoofableKey(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		l, _ := limitStored(limits, ks.Name)
 		held, limited := l.limit.Weigh(ks, now)
@@ -656,6 +671,7 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 		WebSocketConnections: z.wsLive.Load(),
 		Health:               z.health(),
 		HashedKeys:           z.hashedKeys(),
+		SpoofableKey:         z.spoofableKey(),
 	}
 	z.trackedKeys(ctx, &zi)
 	if !zi.Enabled {

@@ -110,7 +110,16 @@ func cmdZones(cmd *cobra.Command, _ []string) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%d\n", z.Name, z.Status, z.Store, health,
 			time.Duration(z.WindowSeconds)*time.Second, z.Max, trackedText(z), z.RejectedTotal, z.WebSocketConnections)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	// Under the table, on stderr, so that stdout stays one table.
+	for _, z := range zones {
+		if z.SpoofableKey {
+			fmt.Fprintf(cmd.ErrOrStderr(), "warning: zone %s: %s\n", z.Name, spoofableKeyNote)
+		}
+	}
+	return nil
 }
 
 // trackedText is the zone's tracked keys for the KEYS column: with the age
@@ -126,6 +135,12 @@ func trackedText(z ZoneInfo) string {
 	}
 	return strconv.Itoa(z.TrackedKeys)
 }
+
+// spoofableKeyNote is what the zones command says of a zone whose clients
+// choose their own key (ZoneInfo.SpoofableKey).
+const spoofableKeyNote = "clients behind a trusted proxy choose their own key (Caddy takes the leftmost X-Forwarded-For address " +
+	"without trusted_proxies_strict): set trusted_proxies_strict, and list every proxy in front of Caddy " +
+	"(a CDN and the load balancer both) in trusted_proxies; see docs/security.md"
 
 func cmdTop(cmd *cobra.Command, args []string) error {
 	n, _ := cmd.Flags().GetInt("n")

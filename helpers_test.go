@@ -17,7 +17,15 @@ import (
 // process-global.
 func provisionHandler(t testing.TB, zoneName string, max int, enabled bool, options ...func(*RateLimit)) (*RateLimit, caddy.Context) {
 	t.Helper()
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	return provisionHandlerIn(t, context.Background(), zoneName, max, enabled, options...)
+}
+
+// provisionHandlerIn is provisionHandler under parent, a context that may
+// name the server the handler is in (caddyhttp.ServerCtxKey), as Caddy's
+// does.
+func provisionHandlerIn(t testing.TB, parent context.Context, zoneName string, max int, enabled bool, options ...func(*RateLimit)) (*RateLimit, caddy.Context) {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: parent})
 	rl := &RateLimit{Zone: zoneName, Max: max, Window: caddy.Duration(time.Minute), MaxTracked: 200_000, Enabled: &enabled}
 	for _, o := range options {
 		o(rl)
@@ -38,9 +46,16 @@ func provisionHandler(t testing.TB, zoneName string, max int, enabled bool, opti
 // response status.
 func serve(t testing.TB, rl *RateLimit, ip string) int {
 	t.Helper()
+	return serveVars(t, rl, map[string]any{caddyhttp.ClientIPVarKey: ip})
+}
+
+// serveVars is serve for a request whose variables, as Caddy's server sets
+// them (client_ip, trusted_proxy), are vars.
+func serveVars(t testing.TB, rl *RateLimit, vars map[string]any) int {
+	t.Helper()
 	r := httptest.NewRequest(http.MethodGet, "/", nil)
 	ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer())
-	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip})
+	ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, vars)
 	w := httptest.NewRecorder()
 	err := rl.ServeHTTP(w, r.WithContext(ctx), caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
 		w.WriteHeader(http.StatusOK)

@@ -242,6 +242,10 @@ type RateLimit struct {
 
 	holdID uint64 // the handler's hold on its zone
 
+	// proxy notices requests through a trusted proxy whose client IP the
+	// client wrote; nil when no client can choose its key that way.
+	proxy *proxyWatch
+
 	// cutRedis, when set, runs once, at the handler's first request, the
 	// cuts of the Redis windows that shorter windows end.
 	cutRedis *sync.Once
@@ -370,6 +374,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	}
 	rl.zone = z.(*zone)
 	rl.zone.hold(rl)
+	rl.watchProxy(ctx)
 
 	if reg := ctx.GetMetricsRegistry(); reg != nil {
 		if err := registerMetrics(reg); err != nil {
@@ -411,7 +416,15 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	ctx := r.Context()
 	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if len(rl.exemptRanges) > 0 && rl.exempt(vars) {
+	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
+	// Until the first request through a trusted proxy, a request whose
+	// client IP is not its peer's asks whether it came through one; after
+	// it, nothing is asked. Before exempt: a client can claim an exempt
+	// address as well.
+	if rl.proxy != nil && !rl.proxy.seen.Load() && !fromPeer(r.RemoteAddr, ip) {
+		rl.noticeProxy(vars)
+	}
+	if len(rl.exemptRanges) > 0 && rl.exempt(ip) {
 		return next.ServeHTTP(w, r)
 	}
 	if rl.cutRedis != nil {
@@ -425,17 +438,17 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// runtime on every request. A request whose handlers panic (Caddy
 	// recovers) leaves its buffer to the collector.
 	d := decisions.Get().(*decision)
-	err := rl.serve(w, r, next, d, vars)
+	err := rl.serve(w, r, next, d, vars, ip)
 	d.release()
 	return err
 }
 
-// serve decides the request with the buffer d and answers it or passes
-// it on.
-func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, vars map[string]any) error {
+// serve decides the request, whose variables are vars and client IP ip,
+// with the buffer d and answers it or passes it on.
+func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, vars map[string]any, ip string) error {
 	ctx := r.Context()
 	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	ipKey := rl.ipKey(vars)
+	ipKey := rl.ipKey(ip)
 	checks, of, out := &d.checks, &d.of, &d.out
 	// Every limit's key first: a limit that rejects a request without its
 	// key wins whatever the order; a limit with no key at all (no client
@@ -772,10 +785,8 @@ func (rl *RateLimit) startRedisCut() {
 	}()
 }
 
-// ipKey returns the client IP key of the request whose variables are
-// vars, or "" if it has none.
-func (rl *RateLimit) ipKey(vars map[string]any) string {
-	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
+// ipKey returns the key of client IP ip, or "" if there is none.
+func (rl *RateLimit) ipKey(ip string) string {
 	if ip == "" {
 		return ""
 	}

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
@@ -361,10 +360,8 @@ func parsePrefix(s string) (netip.Prefix, error) {
 	return netip.PrefixFrom(a, a.BitLen()), nil
 }
 
-// exempt reports whether the client IP of the request whose variables are
-// vars is in an exempt range.
-func (rl *RateLimit) exempt(vars map[string]any) bool {
-	ip, _ := vars[caddyhttp.ClientIPVarKey].(string)
+// exempt reports whether client IP ip is in an exempt range.
+func (rl *RateLimit) exempt(ip string) bool {
 	addr, err := netip.ParseAddr(ip)
 	if err != nil {
 		return false

@@ -119,6 +119,11 @@ type zoneSettings struct {
 type holding struct {
 	id       uint64
 	settings zoneSettings
+	// spoofable is set once a request reached the handler through a
+	// trusted proxy whose client IP, which the handler's keys go by, the
+	// client wrote (proxy.go). It lives and goes with the hold, so a reload
+	// recomputes it from the new config's requests.
+	spoofable bool
 }
 
 // holdIDs numbers the holds on zones.
@@ -314,6 +319,26 @@ func (z *zone) release(rl *RateLimit) {
 	if n := len(z.holders); n > 0 {
 		z.apply(z.holders[n-1].settings)
 	}
+}
+
+// markSpoofable records that the handler holding the zone under id is
+// keyed by a client IP that clients choose.
+func (z *zone) markSpoofable(id uint64) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	for i := range z.holders {
+		if z.holders[i].id == id {
+			z.holders[i].spoofable = true
+		}
+	}
+}
+
+// spoofableKey reports whether any handler holding the zone is keyed by a
+// client IP that clients choose.
+func (z *zone) spoofableKey() bool {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return slices.ContainsFunc(z.holders, func(h holding) bool { return h.spoofable })
 }
 
 // apply takes the settings of the newest holder, so that a reload that

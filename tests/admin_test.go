@@ -10,9 +10,18 @@ import (
 )
 
 // trustLoopback makes Caddy take the client IP from X-Forwarded-For when the
-// peer is on a private network, as the test client on loopback is.
+// peer is on a private network, as the test client on loopback is. It takes
+// the header's leftmost address, so its zones are flagged spoofable_key.
 const trustLoopback = `servers {
 		trusted_proxies static private_ranges
+	}`
+
+// trustLoopbackStrict is trustLoopback with trusted_proxies_strict, as
+// docs/security.md has it: the client IP is the header's rightmost address
+// that is not a trusted proxy, and no zone is flagged.
+const trustLoopbackStrict = `servers {
+		trusted_proxies static private_ranges
+		trusted_proxies_strict
 	}`
 
 // admin sends a request to the in-process Caddy's admin endpoint and returns

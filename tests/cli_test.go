@@ -30,7 +30,7 @@ func rateLimitCmd(t *testing.T, args ...string) (string, error) {
 // tables (or the API's JSON), top filters and pages, unblock forgets a key,
 // even a hostile one, and errors exit non-zero with the API's message.
 func TestCommandLine(t *testing.T) {
-	s := startCaddy(t, trustLoopback, `
+	s := startCaddy(t, trustLoopbackStrict, `
 :$PORT {
 	rate_limit /keyed {
 		zone e2e-cli-keys

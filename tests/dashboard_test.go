@@ -80,7 +80,10 @@ func waitJS(t *testing.T, ctx context.Context, js, what string) {
 // on a unix socket behind a reverse proxy under a path prefix: traffic makes
 // an offender appear, its key (markup) shows as text and runs nothing, the
 // unblock button removes it and admits the client again, and an admin API
-// error shows as a message. A screenshot is kept in tests/artifacts/.
+// error shows as a message. The traffic comes through a trusted proxy
+// without trusted_proxies_strict, and the zone, whose missing key falls back
+// to the client IP, shows the warning. A screenshot is kept in
+// tests/artifacts/.
 func TestDashboard(t *testing.T) {
 	ctx := browser(t)
 	sock := filepath.Join(t.TempDir(), "admin.sock")
@@ -92,6 +95,9 @@ func TestDashboard(t *testing.T) {
 	http_port %[2]d
 	https_port %[3]d
 	grace_period 1s
+	servers {
+		trusted_proxies static 127.0.0.1/32
+	}
 }
 :%[2]d {
 	handle /api/* {
@@ -130,6 +136,7 @@ func TestDashboard(t *testing.T) {
 	hit := func(key string) int {
 		req, _ := http.NewRequest(http.MethodGet, base+"/api/x", nil)
 		req.Header.Set("X-Key", key)
+		req.Header.Set("X-Forwarded-For", "198.51.100.20")
 		resp, err := client.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -152,6 +159,7 @@ func TestDashboard(t *testing.T) {
 	row := `Array.from(document.querySelectorAll('#keys tbody tr')).find((r) => r.dataset.key === ` + string(keyJSON) + `)`
 	waitJS(t, ctx, `!!(`+row+`)`, "the offender")
 	waitJS(t, ctx, `!!document.querySelector('#zones tbody tr[data-zone="e2e-ui"]')`, "the zone")
+	waitJS(t, ctx, `!document.querySelector('#spoofable').hidden && document.querySelector('#spoofable').textContent.startsWith('Zone e2e-ui: clients behind a trusted proxy choose their own key.') && document.querySelector('#spoofable').textContent.includes('Set trusted_proxies_strict') && document.querySelector('#zones tbody tr[data-zone="e2e-ui"] .tag-bad').textContent === 'spoofable key'`, "the zone's spoofable key warning")
 
 	cells, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(`+row+`.cells).map((c) => c.textContent)`))
 	if err != nil {

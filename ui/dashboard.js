@@ -102,17 +102,32 @@
 		return cell;
 	}
 
+	// renderSpoofable says which zones clients choose their own key in
+	// (spoofable_key), and the fix, above the zones.
+	function renderSpoofable(zones) {
+		const names = zones.filter((z) => z.spoofable_key).map((z) => z.name);
+		const box = byId('spoofable');
+		box.hidden = names.length === 0;
+		box.textContent = names.length === 0 ? '' :
+			(names.length === 1 ? 'Zone ' : 'Zones ') + names.join(', ') + ': clients behind a trusted proxy choose their own key. ' +
+			'The server takes the leftmost X-Forwarded-For address, which the client writes, because trusted_proxies_strict is off. ' +
+			'Set trusted_proxies_strict, and list every proxy in front of Caddy (a CDN and the load balancer both) in trusted_proxies.';
+	}
+
 	function renderZones(zones, now) {
 		const body = byId('zones').tBodies[0];
 		body.replaceChildren();
 		byId('no-zones').hidden = zones.length > 0;
+		renderSpoofable(zones);
 		for (const z of zones) {
 			const perSec = record(z.name, now, z.rejected_total);
 			const pick = el('button', 'zone', z.name);
 			pick.type = 'button';
 			pick.addEventListener('click', () => { selected = z.name; location.hash = 'zone=' + encodeURIComponent(z.name); refresh(); });
+			const spoofable = z.spoofable_key ? el('span', 'tag-bad', 'spoofable key') : '';
+			if (spoofable) spoofable.title = 'Clients behind a trusted proxy choose their own key: see the warning above';
 			const row = el('tr', z.name === selected ? 'selected' : '',
-				el('td', '', pick, z.enabled ? '' : ' (disabled)'),
+				el('td', '', pick, z.enabled ? '' : ' (disabled)', spoofable),
 				el('td', '', z.store + (z.hashed_keys ? ', hashed keys' : '')),
 				el('td', '', z.health || '—'),
 				el('td', 'num', seconds(z.window_seconds)),
