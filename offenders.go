@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"cmp"
+	"context"
 	"hash/maphash"
 	"math/rand/v2"
 	"slices"
@@ -9,6 +10,8 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // Size and memory of a zone's summary of offenders (offenders).
@@ -216,4 +219,101 @@ func (o *offenders) list(now time.Time) []recentOffender {
 		return strings.Compare(a.key, b.key)
 	})
 	return out
+}
+
+// Listing orders of GET /rate_limit/<zone> (its sort parameter).
+const (
+	SortCount          = "count"           // most requests in the current window first (the default)
+	SortRecentRefusals = "recent_refusals" // most refusals in the last OffenderAge first
+)
+
+// listRecent returns one page of the zone's recent offenders that match q,
+// each with the live state of its key in the limit that refused it last
+// where the store still tracks it (one pass over the store, as the default
+// listing makes).
+func (z *zone) listRecent(ctx context.Context, q listQuery, limits []namedLimit, now time.Time) (KeyList, error) {
+	recent := z.offenders.list(now)
+	// A zone that lists HMAC hashes lists its offenders by hash too.
+	if z.hashedKeys() {
+		for i := range recent {
+			recent[i].key = z.redis.Tag(recent[i].key)
+		}
+	}
+	recent = slices.DeleteFunc(recent, func(r recentOffender) bool {
+		return !strings.HasPrefix(r.key, q.prefix) || q.policy != "" && r.limit != q.policy
+	})
+	limitOf := func(name string) (namedLimit, bool) {
+		i := slices.IndexFunc(limits, func(l namedLimit) bool { return l.name == name })
+		if i < 0 {
+			return namedLimit{}, false
+		}
+		return limits[i], true
+	}
+	type row struct {
+		recentOffender
+		l       namedLimit
+		known   bool // l is a limit of the running config
+		ks      limiter.KeyState
+		tracked bool // ks is the key's state now
+	}
+	rows := make([]row, len(recent))
+	byKey := make(map[string]int, len(recent))
+	for i, r := range recent {
+		rows[i].recentOffender = r
+		rows[i].l, rows[i].known = limitOf(r.limit)
+		byKey[r.key] = i
+	}
+	if len(rows) > 0 {
+		err := z.store.Range(ctx, now, func(ks limiter.KeyState) bool {
+			i, ok := byKey[ks.Key]
+			if !ok || !rows[i].known || ks.Name != rows[i].l.storeName {
+				return true
+			}
+			if ks, ok := currentState(rows[i].l, ks, now); ok {
+				rows[i].ks, rows[i].tracked = ks, true
+			}
+			return true
+		})
+		if err != nil {
+			return KeyList{}, err
+		}
+	}
+	out := KeyList{Zone: z.name, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), Keys: []KeyInfo{}}
+	for _, r := range rows {
+		var ki KeyInfo
+		if r.tracked {
+			ki = keyInfo(z.name, r.l, r.ks, now)
+		} else {
+			// Its window ended, or an unblock on another instance
+			// forgot it: no live count, and its next request has the
+			// whole quota.
+			ki = KeyInfo{Key: r.key, Unblock: unblockPath(z.name, r.key)}
+			if r.known {
+				ki.Remaining = r.l.limit.Max
+				if r.l.limit.GCRA {
+					ki.Remaining = cmp.Or(r.l.limit.Burst, r.l.limit.Max)
+				}
+			}
+		}
+		if q.limitedOnly && !ki.Limited {
+			continue
+		}
+		ki.Policy = r.limit
+		ki.RecentRefusals, ki.LastRefused = int64(r.refusals), r.last.Unix()
+		out.Total++
+		if out.Total > q.offset && len(out.Keys) < q.pageSize {
+			out.Keys = append(out.Keys, ki)
+		}
+	}
+	return out, nil
+}
+
+// forgetOffender drops key from the zone's recent offenders, if the limit
+// that refused it last is limit or limit is "", and reports whether it was
+// there. On a zone that lists HMAC hashes the hash names it too.
+func (z *zone) forgetOffender(key, limit string) bool {
+	hashed := z.hashedKeys()
+	return z.offenders.forget(limit, func(k string) bool {
+		return k == key || hashed && z.redis.Tag(k) == key
+	})
 }
