@@ -234,3 +234,27 @@ func TestAdminRecentRefusals(t *testing.T) {
 	_, err = adminDo(t, http.MethodDelete, "/rate_limit/admin-recent?key=192.0.2.9")
 	wantAPIError(t, err, http.StatusNotFound, "not tracked")
 }
+
+// BenchmarkOffendersRefused is what a refusal adds to the handler for the
+// summary: a key already in it, and a flood of new keys each refused once.
+func BenchmarkOffendersRefused(b *testing.B) {
+	now := time.Unix(1_800_000_000, 0)
+	b.Run("tracked", func(b *testing.B) {
+		o := new(offenders)
+		b.ReportAllocs()
+		for b.Loop() {
+			o.refused("203.0.113.9", "api", now)
+		}
+	})
+	b.Run("flood", func(b *testing.B) {
+		o := new(offenders)
+		buf := make([]byte, 0, 32)
+		i := 0
+		b.ReportAllocs()
+		for b.Loop() {
+			buf = strconv.AppendInt(append(buf[:0], "10."...), int64(i), 10)
+			i++
+			o.refused(unsafe.String(&buf[0], len(buf)), "api", now)
+		}
+	})
+}
