@@ -59,8 +59,10 @@ const adminPrefix = "/rate_limit/"
 //
 // The key listing takes the query parameters limited=true (only keys over
 // their limit now), q=<prefix> (only keys starting with it), offset and limit
-// (default 100, at most 1000; offset+limit at most MaxListDepth). Each listed
-// key comes with its unblock path, escaped and ready to use.
+// (default 100, at most 1000; offset+limit at most MaxListDepth), and
+// sort=recent_refusals (the keys refused in the last 5 minutes, most refused
+// first, instead of the busiest in their current window). Each listed key
+// comes with its unblock path, escaped and ready to use.
 //
 // A key is text a client chose, so it never travels in the path: a key such
 // as "/../../config/" there would be resolved by the HTTP client or Go's mux
@@ -132,7 +134,7 @@ func serveZone(w http.ResponseWriter, r *http.Request, name string) error {
 
 // handleZone answers GET /rate_limit/<zone> with a page of the zone's keys.
 func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) error {
-	params, err := parseQuery(r.URL.RawQuery, "limited", "q", "policy", "offset", "limit")
+	params, err := parseQuery(r.URL.RawQuery, "limited", "q", "policy", "offset", "limit", "sort")
 	if err != nil {
 		return apiError(http.StatusBadRequest, err)
 	}
@@ -183,6 +185,11 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string
 	}
 	if err != nil {
 		return apiError(http.StatusInternalServerError, fmt.Errorf("forgetting key %q in zone %q: %v", key, name, err))
+	}
+	// A key only among the recent offenders is unblocked too: the
+	// dashboard lists it with an Unblock button.
+	if z.forgetOffender(key, params["policy"]) {
+		found = true
 	}
 	if !found {
 		return apiError(http.StatusNotFound, fmt.Errorf("key %q is not tracked in zone %q", key, name))
@@ -306,6 +313,18 @@ type KeyInfo struct {
 	// Unblock is the admin path that forgets the key, escaped and ready to
 	// use: DELETE it on the admin endpoint.
 	Unblock string `json:"unblock"`
+	// RecentRefusals is, in a listing sorted by recent_refusals, the
+	// requests of the key that the zone refused, in any limit, since the
+	// key entered its summary of offenders, which it leaves 5 minutes
+	// after its last refusal; never more than were refused (see
+	// docs/admin-api.md). Policy is then the limit that refused it last,
+	// and a key the store no longer tracks in that limit is listed with
+	// count 0, refused 0, its whole quota remaining and reset 0. Absent in
+	// the default order.
+	RecentRefusals int64 `json:"recent_refusals,omitempty"`
+	// LastRefused is, in a listing sorted by recent_refusals, when the key
+	// was last refused, in Unix seconds; absent in the default order.
+	LastRefused int64 `json:"last_refused,omitempty"`
 }
 
 // KeyList is the reply to GET /rate_limit/<zone>: one page of the zone's
@@ -338,6 +357,7 @@ type listQuery struct {
 	prefix      string
 	offset      int
 	pageSize    int
+	sort        string // SortCount or SortRecentRefusals
 }
 
 // parseQuery parses a raw query string strictly: every parameter is
@@ -377,7 +397,7 @@ func parseQuery(raw string, allowed ...string) (map[string]string, error) {
 // parseListQuery reads the listing's query parameters, naming the first bad
 // one.
 func parseListQuery(params map[string]string) (listQuery, error) {
-	q := listQuery{pageSize: DefaultPageSize}
+	q := listQuery{pageSize: DefaultPageSize, sort: SortCount}
 	for _, name := range slices.Sorted(maps.Keys(params)) {
 		val := params[name]
 		var err error
@@ -404,6 +424,11 @@ func parseListQuery(params map[string]string) (listQuery, error) {
 			if err != nil || q.pageSize < 1 || q.pageSize > MaxPageSize {
 				return q, fmt.Errorf("invalid limit %q: must be a whole number from 1 to %d", val, MaxPageSize)
 			}
+		case "sort":
+			if val != SortCount && val != SortRecentRefusals {
+				return q, fmt.Errorf("invalid sort %q: must be %s or %s", val, SortCount, SortRecentRefusals)
+			}
+			q.sort = val
 		}
 	}
 	if q.offset > MaxListDepth-q.pageSize { // not offset+pageSize: it may overflow
@@ -419,6 +444,9 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	if q.policy != "" && !slices.ContainsFunc(limits, func(l namedLimit) bool { return l.name == q.policy }) {
 		return KeyList{}, apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", q.policy, z.name))
 	}
+	if q.sort == SortRecentRefusals {
+		return z.listRecent(ctx, q, limits, now)
+	}
 	best, total, err := z.matches(ctx, q, now, limits)
 	if err != nil {
 		return KeyList{}, err
@@ -427,28 +455,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), SpoofableKey: z.spoofableKey(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		l, _ := limitStored(limits, ks.Name)
-		held, limited := l.limit.Weigh(ks, now)
-		quota, count := l.limit.Max, ks.Count
-		if l.limit.GCRA {
-			// A bucket: what it holds is the count.
-			quota = cmp.Or(l.limit.Burst, l.limit.Max)
-			count = int(math.Ceil(held))
-		}
-		ki := KeyInfo{
-			Key:       ks.Key,
-			Policy:    l.name,
-			Count:     count,
-			Refused:   ks.Refused,
-			Remaining: max(quota-int(math.Ceil(held)), 0),
-			Reset:     ceilSeconds(ks.Reset.UnixNano()),
-			Limited:   limited,
-			Unblock:   unblockPath(z.name, ks.Key),
-		}
-		if ks.BannedUntil.After(now) {
-			ki.BannedUntil = ceilSeconds(ks.BannedUntil.UnixNano())
-			ki.Remaining = 0
-		}
-		out.Keys = append(out.Keys, ki)
+		out.Keys = append(out.Keys, keyInfo(z.name, l, ks, now))
 	}
 	return out, nil
 }
@@ -475,21 +482,13 @@ func (z *zone) matches(ctx context.Context, q listQuery, now time.Time, limits [
 		best.items = make([]limiter.KeyState, 0, min(n+1, 2*best.k))
 	}
 	total := 0
-	t := now.UnixNano()
 	err := z.store.Range(ctx, now, func(ks limiter.KeyState) bool {
 		l, ok := limitStored(limits, ks.Name)
 		if !ok || (q.policy != "" && l.name != q.policy) {
 			return true // a limit the config no longer has, or filtered out
 		}
-		// A window a reload shortened is listed as it now ends. A banned
-		// key is listed until its ban ends, and a GCRA bucket may be
-		// deeper than a window: neither is cut.
-		if !ks.BannedUntil.After(now) && !l.limit.GCRA {
-			reset := l.limit.End(ks.Reset.UnixNano(), t)
-			if t >= reset {
-				return true
-			}
-			ks.Reset = time.Unix(0, reset)
+		if ks, ok = currentState(l, ks, now); !ok {
+			return true
 		}
 		if !strings.HasPrefix(ks.Key, q.prefix) {
 			return true
@@ -516,6 +515,48 @@ func limitStored(limits []namedLimit, storeName string) (namedLimit, bool) {
 		}
 	}
 	return namedLimit{}, false
+}
+
+// currentState returns ks, a key's state in l, as listed at now, and
+// whether it is still running. A window a reload shortened is listed as it
+// now ends. A banned key is listed until its ban ends, and a GCRA bucket
+// may be deeper than a window: neither is cut.
+func currentState(l namedLimit, ks limiter.KeyState, now time.Time) (limiter.KeyState, bool) {
+	if !ks.BannedUntil.After(now) && !l.limit.GCRA {
+		t := now.UnixNano()
+		reset := l.limit.End(ks.Reset.UnixNano(), t)
+		if t >= reset {
+			return ks, false
+		}
+		ks.Reset = time.Unix(0, reset)
+	}
+	return ks, true
+}
+
+// keyInfo describes ks, a key's current state in l, for zone's listing.
+func keyInfo(zone string, l namedLimit, ks limiter.KeyState, now time.Time) KeyInfo {
+	held, limited := l.limit.Weigh(ks, now)
+	quota, count := l.limit.Max, ks.Count
+	if l.limit.GCRA {
+		// A bucket: what it holds is the count.
+		quota = cmp.Or(l.limit.Burst, l.limit.Max)
+		count = int(math.Ceil(held))
+	}
+	ki := KeyInfo{
+		Key:       ks.Key,
+		Policy:    l.name,
+		Count:     count,
+		Refused:   ks.Refused,
+		Remaining: max(quota-int(math.Ceil(held)), 0),
+		Reset:     ceilSeconds(ks.Reset.UnixNano()),
+		Limited:   limited,
+		Unblock:   unblockPath(zone, ks.Key),
+	}
+	if ks.BannedUntil.After(now) {
+		ki.BannedUntil = ceilSeconds(ks.BannedUntil.UnixNano())
+		ki.Remaining = 0
+	}
+	return ki
 }
 
 // namedLimit is one limit of a zone as the admin API shows it.

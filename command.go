@@ -18,15 +18,16 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "zones | top <zone> [--limited] [--prefix <p>] [--policy <name>] [-n <n>] | unblock <zone> <key>",
+		Usage: "zones | top <zone> [--by recent_refusals|count] [--limited] [--prefix <p>] [--policy <name>] [-n <n>] | unblock <zone> <key>",
 		Short: "Lists rate limit zones and offenders, and unblocks clients",
 		Long: `
 Talks to the admin API of a running Caddy (the rate_limit module's endpoints
 under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
 
   caddy rate-limit zones                  every zone: settings, keys, refusals
-  caddy rate-limit top <zone>             the zone's busiest keys
-        [--limited] [--prefix <p>] [--policy <name>] [-n <n>]
+  caddy rate-limit top <zone>             the zone's offenders of the last 5m,
+                                          most refused first
+        [--by count] [--limited] [--prefix <p>] [--policy <name>] [-n <n>]
   caddy rate-limit unblock <zone> <key>   forget the key now [--policy <name>]
 
 The admin endpoint is found as 'caddy reload' finds it: --address if given,
@@ -43,10 +44,11 @@ aligned and no key passes for columns of its own. --json gives keys as they are.
 
 			top := &cobra.Command{
 				Use:   "top <zone>",
-				Short: "Lists the zone's busiest keys",
+				Short: "Lists the zone's offenders, most refused in the last 5m first",
 				Args:  cobra.ExactArgs(1),
 				RunE:  cmdTop,
 			}
+			top.Flags().String("by", SortRecentRefusals, "Order: "+SortRecentRefusals+" (refusals in the last 5m, in any limit) or "+SortCount+" (requests in the current window)")
 			top.Flags().Bool("limited", false, "Only keys over their limit now")
 			top.Flags().String("prefix", "", "Only keys starting with this prefix")
 			top.Flags().String("policy", "", "Only keys counted in this limit")
@@ -108,7 +110,7 @@ func cmdZones(cmd *cobra.Command, _ []string) error {
 			health = "-"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%d\n", z.Name, z.Status, z.Store, health,
-			time.Duration(z.WindowSeconds)*time.Second, z.Max, trackedText(z), z.RejectedTotal, z.WebSocketConnections)
+			humanDuration(time.Duration(z.WindowSeconds)*time.Second), z.Max, trackedText(z), z.RejectedTotal, z.WebSocketConnections)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -131,7 +133,7 @@ func trackedText(z ZoneInfo) string {
 	case z.TrackedKeysPartial:
 		return ">=" + strconv.Itoa(z.TrackedKeys)
 	case z.TrackedKeysAgeSeconds > 0:
-		return fmt.Sprintf("%d (%s ago)", z.TrackedKeys, time.Duration(z.TrackedKeysAgeSeconds)*time.Second)
+		return fmt.Sprintf("%d (%s ago)", z.TrackedKeys, humanDuration(time.Duration(z.TrackedKeysAgeSeconds)*time.Second))
 	}
 	return strconv.Itoa(z.TrackedKeys)
 }
@@ -147,7 +149,11 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	if n < 1 || n > MaxPageSize {
 		return fmt.Errorf("invalid -n %d: must be from 1 to %d", n, MaxPageSize)
 	}
-	q := url.Values{"limit": {strconv.Itoa(n)}}
+	by, _ := cmd.Flags().GetString("by")
+	if by != SortRecentRefusals && by != SortCount {
+		return fmt.Errorf("invalid --by %q: must be %s or %s", by, SortRecentRefusals, SortCount)
+	}
+	q := url.Values{"limit": {strconv.Itoa(n)}, "sort": {by}}
 	if limited, _ := cmd.Flags().GetBool("limited"); limited {
 		q.Set("limited", "true")
 	}
@@ -165,14 +171,21 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 	if err := json.Unmarshal(body, &list); err != nil {
 		return fmt.Errorf("decoding the key list: %v", err)
 	}
-	return printKeys(cmd.OutOrStdout(), list, time.Now())
+	return printKeys(cmd.OutOrStdout(), list, by, time.Now())
 }
 
-// printKeys prints a page of keys as top shows it: a table, then a line
-// with how many keys matched; resets are counted from now.
-func printKeys(out io.Writer, list KeyList, now time.Time) error {
+// printKeys prints a page of keys as top shows it, in the order by names:
+// a table, then a line with how many keys matched; times are counted from
+// now.
+func printKeys(out io.Writer, list KeyList, by string, now time.Time) error {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "KEY\tPOLICY\tCOUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
+	recent := by == SortRecentRefusals
+	if recent {
+		fmt.Fprint(tw, "KEY\tPOLICY\tRECENT REFUSALS\tLAST REFUSED\t")
+	} else {
+		fmt.Fprint(tw, "KEY\tPOLICY\t")
+	}
+	fmt.Fprintln(tw, "COUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
 	for _, k := range list.Keys {
 		limited, reset := "no", k.Reset
 		if k.Limited {
@@ -182,10 +195,25 @@ func printKeys(out io.Writer, list KeyList, now time.Time) error {
 			// Refused until the ban ends.
 			limited, reset = "banned", max(reset, k.BannedUntil)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%s\t%s\n", terminalText(k.Key), k.Policy, k.Count, k.Refused, k.Remaining,
-			max(time.Unix(reset, 0).Sub(now).Truncate(time.Second), 0), limited)
+		if recent {
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s ago\t", terminalText(k.Key), k.Policy, k.RecentRefusals,
+				humanDuration(now.Sub(time.Unix(k.LastRefused, 0))))
+		} else {
+			fmt.Fprintf(tw, "%s\t%s\t", terminalText(k.Key), k.Policy)
+		}
+		if reset == 0 {
+			// Among the offenders only: no window runs for the key.
+			fmt.Fprintf(tw, "-\t-\t-\t-\t%s\n", limited)
+			continue
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\n", k.Count, k.Refused, k.Remaining,
+			humanDuration(time.Unix(reset, 0).Sub(now)), limited)
 	}
 	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if recent {
+		_, err := fmt.Fprintf(out, "%d of %d keys refused in the last %s in zone %s\n", len(list.Keys), list.Total, humanDuration(OffenderAge), list.Zone)
 		return err
 	}
 	_, err := fmt.Fprintf(out, "%d of %d keys in zone %s\n", len(list.Keys), list.Total, list.Zone)
@@ -225,4 +253,25 @@ func terminalText(s string) string {
 		return s
 	}
 	return strconv.QuoteToASCII(s)
+}
+
+// humanDuration writes d as people write durations, in whole seconds
+// without zero parts: 1m, 15m, 1h30m, 1m30s; 0s for none or less.
+// time.Duration's String writes 1m0s.
+func humanDuration(d time.Duration) string {
+	d = d.Truncate(time.Second)
+	if d <= 0 {
+		return "0s"
+	}
+	var b []byte
+	for _, u := range []struct {
+		unit   time.Duration
+		suffix byte
+	}{{time.Hour, 'h'}, {time.Minute, 'm'}, {time.Second, 's'}} {
+		if n := d / u.unit; n > 0 {
+			b = append(strconv.AppendInt(b, int64(n), 10), u.suffix)
+			d -= n * u.unit
+		}
+	}
+	return string(b)
 }

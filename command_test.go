@@ -52,7 +52,7 @@ func TestPrintKeysHostileKeys(t *testing.T) {
 		list.Keys = append(list.Keys, KeyInfo{Key: tt.key, Policy: "api", Count: 5, Refused: 2, Reset: now.Unix() + 60, Limited: true})
 	}
 	var out bytes.Buffer
-	if err := printKeys(&out, list, now); err != nil {
+	if err := printKeys(&out, list, SortCount, now); err != nil {
 		t.Fatal(err)
 	}
 	lines := strings.Split(strings.TrimSuffix(out.String(), "\n"), "\n")
@@ -77,7 +77,7 @@ func TestPrintKeysHostileKeys(t *testing.T) {
 					t.Errorf("row %q: column %d does not start at %d, under its header", row, c+2, at)
 				}
 			}
-			if got, want := strings.Fields(row[cols[0]:]), []string{"api", "5", "2", "0", "1m0s", "yes"}; !slices.Equal(got, want) {
+			if got, want := strings.Fields(row[cols[0]:]), []string{"api", "5", "2", "0", "1m", "yes"}; !slices.Equal(got, want) {
 				t.Errorf("row %q: columns after the key are %q, want %q", row, got, want)
 			}
 			cell := strings.TrimRight(row[:cols[0]], " ")
@@ -110,6 +110,30 @@ func TestTrackedText(t *testing.T) {
 	} {
 		if got := trackedText(tc.zone); got != tc.want {
 			t.Errorf("trackedText(%+v) = %q, want %q", tc.zone, got, tc.want)
+		}
+	}
+}
+
+// Durations print as people write them, in the CLI's tables.
+func TestHumanDuration(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		d    time.Duration
+		want string
+	}{
+		{-time.Second, "0s"},
+		{0, "0s"},
+		{999 * time.Millisecond, "0s"},
+		{time.Second, "1s"},
+		{time.Minute, "1m"},
+		{90 * time.Second, "1m30s"},
+		{15 * time.Minute, "15m"},
+		{time.Hour + 30*time.Minute, "1h30m"},
+		{time.Hour + time.Second, "1h1s"},
+		{24 * time.Hour, "24h"},
+	} {
+		if got := humanDuration(tt.d); got != tt.want {
+			t.Errorf("humanDuration(%v) = %q, want %q", tt.d, got, tt.want)
 		}
 	}
 }

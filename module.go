@@ -530,7 +530,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		exceeded:  !allowed,
 	}
 	if !allowed {
-		rl.refused(checks[:n], of[:n], out[:n])
+		rl.refused(checks[:n], of[:n], out[:n], now)
 	}
 	ws := isWebSocket(r)
 	if ws && (allowed || rl.DryRun) {
@@ -727,9 +727,11 @@ func (d *decision) release() {
 // decisions recycles decision buffers across requests.
 var decisions = sync.Pool{New: func() any { return new(decision) }}
 
-// refused tallies a refusal in each refusing limit and, for a key's first
-// refusal in a window, logs it and emits the event.
-func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Verdict) {
+// refused tallies a refusal in each refusing limit, records each refused
+// key among the zone's recent offenders (once per request, named with the
+// first limit that refused it) and, for a key's first refusal in a window,
+// logs it and emits the event.
+func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Verdict, now time.Time) {
 	for i, v := range out {
 		if v.Allowed {
 			continue
@@ -741,6 +743,9 @@ func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Ver
 			p.refusals.Store(c)
 		}
 		c.Add(1)
+		if !refusedEarlier(checks, out, i) {
+			rl.zone.offenders.refused(checks[i].Key, p.name, now)
+		}
 		if !v.FirstRefusal {
 			continue
 		}
@@ -769,6 +774,17 @@ func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Ver
 		}
 		rl.emitExceeded(p, checks[i].Key, v)
 	}
+}
+
+// refusedEarlier reports whether a check before i refused the request under
+// the same key as check i.
+func refusedEarlier(checks []limiter.Check, out []limiter.Verdict, i int) bool {
+	for j := range i {
+		if !out[j].Allowed && checks[j].Key == checks[i].Key {
+			return true
+		}
+	}
+	return false
 }
 
 // startRedisCut cuts, in the background, the Redis windows that shorter

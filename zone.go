@@ -56,6 +56,10 @@ type zone struct {
 	// refusals counts refusals by limit name (*atomic.Uint64); names come
 	// from configs, so they stay few.
 	refusals sync.Map
+	// offenders are the keys refused in the last OffenderAge, in any
+	// limit, so that an offender stays named after its window ends. On a
+	// Redis zone, this instance's refusals only.
+	offenders offenders
 
 	// wsLive is the number of WebSocket connections open through the zone.
 	wsLive atomic.Int64

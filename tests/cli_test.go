@@ -57,7 +57,7 @@ func TestCommandLine(t *testing.T) {
 	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	header := regexp.MustCompile(`^ZONE +STATUS +STORE +HEALTH +WINDOW +MAX +KEYS +REFUSED +WEBSOCKETS$`)
-	row := regexp.MustCompile(`(?m)^e2e-cli +active +memory +- +1m0s +3 +3 +3 +0$`)
+	row := regexp.MustCompile(`(?m)^e2e-cli +active +memory +- +1m +3 +3 +3 +0$`)
 	if len(lines) < 3 || !header.MatchString(lines[0]) || !row.MatchString(out) {
 		t.Errorf("zones printed:\n%s", out)
 	}
@@ -69,23 +69,36 @@ func TestCommandLine(t *testing.T) {
 		}
 	}
 
+	// By default, the keys refused in the last five minutes, most refused
+	// first; the key never refused is not among them.
 	out, err = rateLimitCmd(t, "top", "e2e-cli")
 	if err != nil {
 		t.Fatalf("top: %v\n%s", err, out)
 	}
-	want := regexp.MustCompile(`(?s)^KEY +POLICY +COUNT +REFUSED +REMAINING +RESETS IN +LIMITED\n` +
-		`203\.0\.113\.1 +e2e-cli +3 +2 +0 +[0-9hms]+ +yes\n` +
-		`203\.0\.113\.2 +e2e-cli +3 +1 +0 +[0-9hms]+ +yes\n` +
-		`198\.51\.100\.9 +e2e-cli +1 +0 +2 +[0-9hms]+ +no\n` +
-		`3 of 3 keys in zone e2e-cli\n$`)
+	want := regexp.MustCompile(`(?s)^KEY +POLICY +RECENT REFUSALS +LAST REFUSED +COUNT +REFUSED +REMAINING +RESETS IN +LIMITED\n` +
+		`203\.0\.113\.1 +e2e-cli +2 +[0-9]+s ago +3 +2 +0 +([0-9]+s|1m) +yes\n` +
+		`203\.0\.113\.2 +e2e-cli +1 +[0-9]+s ago +3 +1 +0 +([0-9]+s|1m) +yes\n` +
+		`2 of 2 keys refused in the last 5m in zone e2e-cli\n$`)
 	if !want.MatchString(out) {
 		t.Errorf("top printed:\n%s", out)
+	}
+	out, err = rateLimitCmd(t, "top", "e2e-cli", "--by", "count")
+	if err != nil {
+		t.Fatalf("top --by count: %v\n%s", err, out)
+	}
+	want = regexp.MustCompile(`(?s)^KEY +POLICY +COUNT +REFUSED +REMAINING +RESETS IN +LIMITED\n` +
+		`203\.0\.113\.1 +e2e-cli +3 +2 +0 +([0-9]+s|1m) +yes\n` +
+		`203\.0\.113\.2 +e2e-cli +3 +1 +0 +([0-9]+s|1m) +yes\n` +
+		`198\.51\.100\.9 +e2e-cli +1 +0 +2 +([0-9]+s|1m) +no\n` +
+		`3 of 3 keys in zone e2e-cli\n$`)
+	if !want.MatchString(out) {
+		t.Errorf("top --by count printed:\n%s", out)
 	}
 	out, err = rateLimitCmd(t, "top", "e2e-cli", "--limited", "--prefix", "203.0.113.", "-n", "1")
 	if err != nil || !strings.Contains(out, "203.0.113.1 ") || strings.Contains(out, "203.0.113.2") || !strings.Contains(out, "1 of 2 keys") {
 		t.Errorf("top --limited --prefix -n 1: %v\n%s", err, out)
 	}
-	out, err = rateLimitCmd(t, "top", "e2e-cli", "--json")
+	out, err = rateLimitCmd(t, "top", "e2e-cli", "--by", "count", "--json")
 	var list keyList
 	if err != nil || json.Unmarshal([]byte(out), &list) != nil || list.Total != 3 {
 		t.Errorf("top --json: %v\n%s", err, out)
@@ -108,10 +121,11 @@ func TestCommandLine(t *testing.T) {
 		{"unblock", "e2e-cli", "192.0.2.200"},
 		{"top", "no-such-zone"},
 		{"top", "e2e-cli", "-n", "0"},
+		{"top", "e2e-cli", "--by", "key"},
 	} {
 		out, err := rateLimitCmd(t, args...)
 		var exit *exec.ExitError
-		if !errors.As(err, &exit) || !regexp.MustCompile(`not tracked|unknown rate limit zone|invalid -n 0`).MatchString(out) {
+		if !errors.As(err, &exit) || !regexp.MustCompile(`not tracked|unknown rate limit zone|invalid -n 0|invalid --by "key"`).MatchString(out) {
 			t.Errorf("%v: %v, want a failing exit with the reason\n%s", args, err, out)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -165,8 +166,18 @@ func TestDashboard(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(cells) < 7 || cells[0] != "key:"+xssKey || cells[1] != "e2e-ui" || cells[2] != "2" || cells[3] != "3" || cells[6] != "yes" {
-		t.Errorf("offender row = %q, want the key as text, its limit, 2 admitted, 3 refused, limited", cells)
+	if len(cells) < 9 || cells[0] != "key:"+xssKey || cells[1] != "e2e-ui" || cells[2] != "2" || cells[3] != "3" || cells[6] != "yes" ||
+		cells[7] != "3" || !regexp.MustCompile(`^[0-9]+s ago$`).MatchString(cells[8]) {
+		t.Errorf("offender row = %q, want the key as text, its limit, 2 admitted, 3 refused, limited, 3 refused lately, seconds ago", cells)
+	}
+	// Listed by recent refusals by default: the calm key was never refused.
+	calm, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!!document.querySelector('#keys tbody tr[data-key="key:calm"]')`))
+	if err != nil || calm {
+		t.Errorf("the calm key is listed among the offenders (%v)", err)
+	}
+	window, err := chromedp.Run(ctx, chromedp.Evaluate[string](`document.querySelector('#zones tbody tr[data-zone="e2e-ui"]').cells[3].textContent`))
+	if err != nil || window != "1m" {
+		t.Errorf("the zone's window reads %q (%v), want 1m", window, err)
 	}
 	pwned, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`!!window.pwned`))
 	if err != nil {

@@ -205,6 +205,24 @@ func TestRedisAdminHashedKeys(t *testing.T) {
 		t.Errorf("q=%s: %+v, want only %s", h22[:10], byPrefix, h22)
 	}
 
+	// The offenders of the last five minutes are listed by hash too, with
+	// their live state in Redis.
+	if _, body := admin(t, http.MethodGet, "/rate_limit/"+zone+"?sort=recent_refusals"); strings.Contains(body, "203.0.113.") {
+		t.Errorf("offenders hold a client IP: %s", body)
+	}
+	var recent struct {
+		Total int `json:"total"`
+		Keys  []struct {
+			Key            string `json:"key"`
+			Count          int    `json:"count"`
+			RecentRefusals int    `json:"recent_refusals"`
+		} `json:"keys"`
+	}
+	adminJSON(t, "/rate_limit/"+zone+"?sort=recent_refusals", &recent)
+	if recent.Total != 2 || recent.Keys[0].Key != h21 || recent.Keys[0].RecentRefusals != 2 || recent.Keys[0].Count != 3 || recent.Keys[1].Key != h22 {
+		t.Errorf("offenders = %+v, want %s (2 refusals, count 3) then %s", recent, h21, h22)
+	}
+
 	// DELETE by the raw client IP unblocks it.
 	resp, _ := s.get("/", "X-Forwarded-For", "203.0.113.21")
 	wantStatus(t, resp, http.StatusTooManyRequests)

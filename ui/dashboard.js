@@ -14,6 +14,9 @@
 	let selected = new URLSearchParams(location.hash.slice(1)).get('zone') || '';
 	let prefix = '';
 	let limitedOnly = false;
+	// The offenders' order: by refusals in the zone's last five minutes,
+	// which outlive a short window, or by requests in the current window.
+	let order = 'recent_refusals';
 	let busy = false;
 
 	// el builds an element; children that are not nodes become text nodes.
@@ -79,11 +82,13 @@
 		return svg;
 	}
 
+	// seconds writes a number of seconds as people write durations, as the
+	// command line does: 1m, 15m, 1h30m, 1m30s, without zero parts.
 	function seconds(s) {
-		if (s >= 86400) return (s / 86400).toFixed(1) + 'd';
-		if (s >= 3600) return (s / 3600).toFixed(1) + 'h';
-		if (s >= 60) return Math.floor(s / 60) + 'm ' + (s % 60) + 's';
-		return s + 's';
+		s = Math.max(0, Math.floor(s));
+		if (s === 0) return '0s';
+		const h = Math.floor(s / 3600), m = Math.floor(s % 3600 / 60), r = s % 60;
+		return (h ? h + 'h' : '') + (m ? m + 'm' : '') + (r ? r + 's' : '');
 	}
 
 	// tracked shows a zone's tracked keys as the API gives them: a Redis
@@ -148,10 +153,15 @@
 		const body = byId('keys').tBodies[0];
 		body.replaceChildren();
 		countdowns.length = 0;
+		const now = Date.now() / 1000;
 		for (const k of list.keys) {
 			const reset = el('td', 'num');
-			// A banned key is refused until its ban ends.
-			countdowns.push({cell: reset, reset: Math.max(k.reset, k.banned_until || 0)});
+			// A key only among the recent offenders has no window (reset
+			// 0): no live count to show. A banned key is refused until
+			// its ban ends.
+			const live = k.reset > 0 || k.banned_until > 0;
+			if (live) countdowns.push({cell: reset, reset: Math.max(k.reset, k.banned_until || 0)});
+			else reset.textContent = '—';
 			const unblock = el('button', 'unblock', 'Unblock');
 			unblock.type = 'button';
 			unblock.addEventListener('click', () => forget(list.zone, k.key, unblock));
@@ -159,19 +169,22 @@
 			const row = el('tr', k.limited ? 'limited' : '',
 				el('td', 'key', k.key),
 				el('td', '', k.policy || ''),
-				el('td', 'num', k.count),
-				el('td', 'num', k.refused),
-				el('td', 'num', k.remaining),
+				el('td', 'num', live ? k.count : '—'),
+				el('td', 'num', live ? k.refused : '—'),
+				el('td', 'num', live ? k.remaining : '—'),
 				reset,
 				el('td', '', k.banned_until ? 'banned' : k.limited ? 'yes' : 'no'),
+				el('td', 'num', k.recent_refusals || '—'),
+				el('td', 'num', k.last_refused ? seconds(now - k.last_refused) + ' ago' : '—'),
 				el('td', '', unblock));
 			row.dataset.key = k.key;
 			body.append(row);
 		}
 		tick();
-		byId('keys-summary').textContent = list.keys.length === list.total
+		const recent = order === 'recent_refusals' ? ' refused in the last 5m' : '';
+		byId('keys-summary').textContent = (list.keys.length === list.total
 			? list.total + (list.total === 1 ? ' key' : ' keys')
-			: 'the busiest ' + list.keys.length + ' of ' + list.total + ' keys';
+			: (recent ? 'the most refused ' : 'the busiest ') + list.keys.length + ' of ' + list.total + ' keys') + recent;
 	}
 
 	function tick() {
@@ -198,7 +211,7 @@
 			if (!zones.some((z) => z.name === selected)) selected = zones.length ? zones[0].name : '';
 			renderZones(zones, Date.now());
 			if (selected) {
-				const q = new URLSearchParams({limit: '50'});
+				const q = new URLSearchParams({limit: '50', sort: order});
 				if (prefix) q.set('q', prefix);
 				if (limitedOnly) q.set('limited', 'true');
 				renderKeys(await call(api + encodeURIComponent(selected) + '?' + q));
@@ -217,6 +230,7 @@
 	byId('filter').addEventListener('submit', (e) => e.preventDefault());
 	byId('prefix').addEventListener('input', (e) => { prefix = e.target.value; refresh(); });
 	byId('limited').addEventListener('change', (e) => { limitedOnly = e.target.checked; refresh(); });
+	byId('order').addEventListener('change', (e) => { order = e.target.value; refresh(); });
 	setInterval(refresh, pollMs);
 	setInterval(tick, 1000);
 	refresh();

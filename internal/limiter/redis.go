@@ -1120,6 +1120,10 @@ func (s *RedisStore) probeOnce(ctx context.Context) error {
 	return err
 }
 
+// Tag returns what names key in Redis and in the store's listing: the
+// key itself, or with HashKey its HMAC in hex.
+func (s *RedisStore) Tag(key string) string { return s.tag(key) }
+
 // tag returns the part of the Redis keys that names the client: the key
 // itself, or its HMAC in hex.
 func (s *RedisStore) tag(key string) string {
