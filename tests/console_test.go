@@ -5,8 +5,12 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/chromedp/chromedp"
 )
 
 // consoleHash is the bcrypt hash of consolePassword (cost 4: fast enough
@@ -141,5 +145,83 @@ func TestConsoleSiteHandler(t *testing.T) {
 	status, _, body = consoleDo(t, s, http.MethodGet, "/rate-limits/api/no-such-zone")
 	if status != http.StatusNotFound || !strings.Contains(body, `"error":"unknown rate limit zone`) {
 		t.Fatalf("GET an unknown zone: %d %s; want a JSON 404", status, body)
+	}
+}
+
+// The console in a real browser, opened directly at the site's path (no
+// proxy, no header stripping): it shows the zone and, first among the
+// offenders, a key refused 28 times by a one-second limit after that window
+// has ended (the default order of the admin API would list it last, with
+// nothing refused), and its Unblock button forgets the key.
+func TestConsoleInBrowser(t *testing.T) {
+	ctx := browser(t)
+	zone := "e2e-console-ui"
+	s := startCaddy(t, trustLoopbackStrict, fmt.Sprintf(`
+:$PORT {
+	route /app {
+		rate_limit {
+			zone %s
+			window 60
+			max 5
+			limit burst 2 1
+		}
+		respond "app"
+	}
+	rate_limit_console /rate-limits*
+}`, zone))
+	const offender = "198.51.100.130"
+	hit := func(ip string) int {
+		return request(t, s.Base, "/app", "X-Forwarded-For", ip).StatusCode
+	}
+	refused := 0
+	for range 30 {
+		if hit(offender) == http.StatusTooManyRequests {
+			refused++
+		}
+	}
+	if refused != 28 {
+		t.Fatalf("%d of 30 requests refused, want 28 (the burst limit admits 2 a second)", refused)
+	}
+	for _, calm := range []string{"198.51.100.131", "198.51.100.132"} {
+		for range 2 {
+			if got := hit(calm); got != http.StatusOK {
+				t.Fatalf("calm client %s: %d, want 200", calm, got)
+			}
+		}
+	}
+	// Wait for the one-second window to end: its refusals go with it.
+	if !eventually(func() bool { return listingOf(t, zone)["burst/"+offender] == "" }) {
+		t.Fatalf("the offender's burst window never ended: %q", listingOf(t, zone)["burst/"+offender])
+	}
+
+	if err := chromedp.Do(ctx, chromedp.Navigate(s.Base+"/rate-limits")); err != nil {
+		t.Fatal(err)
+	}
+	waitJS(t, ctx, `!!document.querySelector('#zones tbody tr[data-zone="`+zone+`"]')`, "the zone")
+	first := `document.querySelector('#keys tbody tr')`
+	waitJS(t, ctx, `!!`+first+` && `+first+`.dataset.key === "`+offender+`"`, "the offender first")
+	cells, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(`+first+`.cells).map((c) => c.textContent)`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cells) < 9 || cells[1] != "burst" || cells[7] != "28" {
+		t.Fatalf("first offender row = %q, want the key, refused last by burst, 28 recent refusals", cells)
+	}
+	url, err := chromedp.Run(ctx, chromedp.Evaluate[string](`location.pathname`))
+	if err != nil || url != "/rate-limits/" {
+		t.Fatalf("the page is at %q (%v), want /rate-limits/ after the redirect", url, err)
+	}
+	if shot, err := chromedp.Run(ctx, chromedp.FullScreenshot(100)); err == nil && os.MkdirAll("artifacts", 0o755) == nil {
+		if os.WriteFile(filepath.Join("artifacts", "console.png"), shot, 0o644) == nil {
+			t.Logf("screenshot: tests/artifacts/console.png (%d bytes)", len(shot))
+		}
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Evaluate[bool](first+`.querySelector('button.unblock').click() || true`)); err != nil {
+		t.Fatal(err)
+	}
+	row := `Array.from(document.querySelectorAll('#keys tbody tr')).find((r) => r.dataset.key === "` + offender + `")`
+	waitJS(t, ctx, `!(`+row+`) && document.querySelector('#error').hidden`, "the offender gone after unblock")
+	if got := listingOf(t, zone)[zone+"/"+offender]; got != "" {
+		t.Fatalf("after the unblock the offender is listed as %q, want forgotten", got)
 	}
 }
