@@ -731,13 +731,14 @@ const trackedKeysWait = time.Second
 // by requests or metrics, and shared by concurrent readers). While the store
 // is degraded it is not asked: its fallback is what decides then.
 func (z *zone) trackedKeys(ctx context.Context, zi *ZoneInfo) {
-	if z.redis == nil || z.redis.Health() == limiter.HealthDegraded {
+	counter, ok := z.store.(limiter.KeyCounter)
+	if !ok || z.health() == limiter.HealthDegraded {
 		zi.TrackedKeys = z.store.Len()
 		return
 	}
 	ctx, cancel := context.WithTimeout(ctx, trackedKeysWait)
 	defer cancel()
-	c := z.redis.CountKeys(ctx)
+	c := counter.CountKeys(ctx)
 	zi.TrackedKeys, zi.TrackedKeysPartial = c.N, c.Partial
 	zi.TrackedKeysAgeSeconds = int64(max(time.Since(c.At), 0) / time.Second)
 }

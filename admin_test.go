@@ -477,7 +477,7 @@ func TestAdminListsBanPastItsWindow(t *testing.T) {
 		}
 	}
 	later := start.Add(2 * time.Second)
-	if n := rl.zone.mem.Sweep(later); n != 1 || rl.zone.store.Len() != 0 {
+	if n := rl.zone.store.(*limiter.MemoryStore).Sweep(later); n != 1 || rl.zone.store.Len() != 0 {
 		t.Fatalf("sweep purged %d windows and left %d, want 1 and 0", n, rl.zone.store.Len())
 	}
 	got, err := rl.zone.list(context.Background(), listQuery{pageSize: DefaultPageSize}, later)

@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // Metric descriptors. Their only labels are the zone, the limit name and the
@@ -85,14 +87,14 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(dryRunBansDesc, prometheus.CounterValue, float64(z.dryRunBans.Load()), z.name)
 		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
 		var evictions uint64
-		if z.mem != nil {
-			evictions = z.mem.Evictions()
+		if e, ok := z.store.(limiter.Evicter); ok {
+			evictions = e.Evictions()
 		}
 		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(evictions), z.name)
 		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)
-		if z.redis != nil {
+		if h, ok := z.store.(limiter.HealthReporter); ok {
 			healthy := 0.0
-			if z.redis.Healthy() {
+			if h.Healthy() {
 				healthy = 1
 			}
 			ch <- prometheus.MustNewConstMetric(storeHealthyDesc, prometheus.GaugeValue, healthy, z.name)

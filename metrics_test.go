@@ -7,6 +7,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // zoneSeries gathers reg and returns the value of every rate limit series of
@@ -138,7 +140,7 @@ func TestMetricsSurviveReload(t *testing.T) {
 func TestMetricsEvictions(t *testing.T) {
 	t.Parallel()
 	rl, ctx := provisionHandler(t, "metrics-evict", 10, true)
-	rl.zone.mem.SetMaxTracked(MinMaxTracked)
+	rl.zone.store.(*limiter.MemoryStore).SetMaxTracked(MinMaxTracked)
 	for i := range 3 * MinMaxTracked {
 		serve(t, rl, "10.1."+strconv.Itoa(i>>8)+"."+strconv.Itoa(i&255))
 	}

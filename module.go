@@ -246,17 +246,10 @@ type RateLimit struct {
 	// client wrote; nil when no client can choose its key that way.
 	proxy *proxyWatch
 
-	// cutRedis, when set, runs once, at the handler's first request, the
-	// cuts of the Redis windows that shorter windows end.
-	cutRedis *sync.Once
-	cuts     []windowCut
-}
-
-// windowCut is a limit whose window a reload shortened: its running windows
-// end at cutoff at the latest.
-type windowCut struct {
-	check  limiter.Check
-	cutoff time.Time
+	// cutShared, when set, runs once, at the handler's first request, the
+	// cuts of a shared store's windows that shorter windows end.
+	cutShared *sync.Once
+	cuts      []windowCut
 }
 
 // CaddyModule returns the Caddy module information.
@@ -367,13 +360,22 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 	z, _, err := zones.LoadOrNew(rl.poolKey(), func() (caddy.Destructor, error) {
-		return newZone(rl), nil
+		store, kind, closeStore := rl.Store.newStore(rl.Zone, rl.MaxTracked, rl.logger)
+		return newZone(rl.Zone, kind, store, closeStore, rl.settings()), nil
 	})
 	if err != nil {
 		return fmt.Errorf("loading zone %q: %w", rl.Zone, err)
 	}
 	rl.zone = z.(*zone)
-	rl.zone.hold(rl)
+	held := rl.zone.hold(rl.settings())
+	for i := range rl.policies {
+		rl.policies[i].check.Slot = held.limits[i].slot
+		rl.policies[i].check.Limit.Since = held.limits[i].limit.Since
+	}
+	rl.holdID, rl.cuts, rl.cutShared = held.id, held.cuts, nil
+	if len(held.cuts) > 0 {
+		rl.cutShared = new(sync.Once)
+	}
 	rl.watchProxy(ctx)
 
 	if reg := ctx.GetMetricsRegistry(); reg != nil {
@@ -403,7 +405,7 @@ func (rl *RateLimit) Cleanup() error {
 	}
 	// rl.zone stays set: a request still being served by the old config
 	// may read it.
-	rl.zone.release(rl)
+	rl.zone.release(rl.holdID)
 	_, err := zones.Delete(rl.poolKey())
 	return err
 }
@@ -427,8 +429,8 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if len(rl.exemptRanges) > 0 && rl.exempt(ip) {
 		return next.ServeHTTP(w, r)
 	}
-	if rl.cutRedis != nil {
-		rl.cutRedis.Do(rl.startRedisCut)
+	if rl.cutShared != nil {
+		rl.cutShared.Do(rl.startSharedCut)
 	}
 	// The checks and verdicts go through the Store interface, so they
 	// would escape to the heap: a pooled buffer keeps a request from
@@ -787,14 +789,18 @@ func refusedEarlier(checks []limiter.Check, out []limiter.Verdict, i int) bool {
 	return false
 }
 
-// startRedisCut cuts, in the background, the Redis windows that shorter
-// windows end.
-func (rl *RateLimit) startRedisCut() {
+// startSharedCut cuts, in the background, the windows of a shared store
+// (Redis) that shorter windows end.
+func (rl *RateLimit) startSharedCut() {
+	cutter, ok := rl.zone.store.(limiter.SharedCutter)
+	if !ok {
+		return
+	}
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		for _, c := range rl.cuts {
-			if err := rl.zone.redis.CutWindows(ctx, c.check, c.cutoff); err != nil {
+			if err := cutter.CutWindows(ctx, c.check, c.cutoff); err != nil {
 				rl.logger.Warn("cutting running windows to the shorter window", zap.String("zone", rl.Zone), zap.String("limit", rl.policies[0].name), zap.Error(err))
 			}
 		}

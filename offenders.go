@@ -234,9 +234,9 @@ const (
 func (z *zone) listRecent(ctx context.Context, q listQuery, limits []namedLimit, now time.Time) (KeyList, error) {
 	recent := z.offenders.list(now)
 	// A zone that lists HMAC hashes lists its offenders by hash too.
-	if z.hashedKeys() {
+	if h, ok := z.store.(limiter.KeyHasher); ok && h.HashedKeys() {
 		for i := range recent {
-			recent[i].key = z.redis.Tag(recent[i].key)
+			recent[i].key = h.Tag(recent[i].key)
 		}
 	}
 	recent = slices.DeleteFunc(recent, func(r recentOffender) bool {
@@ -312,8 +312,9 @@ func (z *zone) listRecent(ctx context.Context, q listQuery, limits []namedLimit,
 // that refused it last is limit or limit is "", and reports whether it was
 // there. On a zone that lists HMAC hashes the hash names it too.
 func (z *zone) forgetOffender(key, limit string) bool {
-	hashed := z.hashedKeys()
+	h, hashed := z.store.(limiter.KeyHasher)
+	hashed = hashed && h.HashedKeys()
 	return z.offenders.forget(limit, func(k string) bool {
-		return k == key || hashed && z.redis.Tag(k) == key
+		return k == key || hashed && h.Tag(k) == key
 	})
 }

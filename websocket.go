@@ -125,21 +125,21 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 	localCap := rl.WSMaxConnectionsPerIP
 	var lease limiter.Lease
 	leased, ok := false, true
-	if z.redis != nil && localCap > 0 {
+	if fleet, isFleet := z.store.(fleetLeaser); isFleet && localCap > 0 {
 		var err error
-		if z.redis.Degraded() {
+		if fleet.Degraded() {
 			err = limiter.ErrRedisDegraded // decided without waiting on Redis, as Decide does
 		} else {
 			var got bool
-			lease, got, err = z.redis.AcquireLease(r.Context(), key, localCap, time.Duration(rl.WSLeaseTTL))
+			lease, got, err = fleet.AcquireLease(r.Context(), key, localCap, time.Duration(rl.WSLeaseTTL))
 			leased, ok = err == nil && got, err != nil || got
 		}
 		switch {
 		case err == nil:
 			localCap = 0 // the fleet counts it; this process only tracks it
-		case z.redis.OnError() == limiter.OnErrorAllow:
+		case fleet.OnError() == limiter.OnErrorAllow:
 			localCap = 0
-		case z.redis.OnError() == limiter.OnErrorDeny && !rl.DryRun:
+		case fleet.OnError() == limiter.OnErrorDeny && !rl.DryRun:
 			z.count(resultDegradedDenied)
 			w.Header().Set("Retry-After", "1")
 			return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("rate limit zone %q: websocket lease: %w", rl.Zone, err))
@@ -199,7 +199,7 @@ func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
 			case <-ctx.Done():
 				return
 			case <-tick.C:
-				lost, err := rl.zone.redis.RenewLease(ctx, l, ttl)
+				lost, err := rl.zone.store.(limiter.Leaser).RenewLease(ctx, l, ttl)
 				switch {
 				case err != nil && ctx.Err() == nil:
 					rl.logger.Debug("renewing a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
@@ -218,7 +218,7 @@ func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
 
 // dropLease gives l back; if Redis does not answer, it lapses by itself.
 func (rl *RateLimit) dropLease(l limiter.Lease) {
-	if err := rl.zone.redis.ReleaseLease(context.Background(), l); err != nil {
+	if err := rl.zone.store.(limiter.Leaser).ReleaseLease(context.Background(), l); err != nil {
 		rl.logger.Debug("giving back a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
 	}
 }
@@ -320,6 +320,14 @@ func requestedSubprotocols(r *http.Request) []string {
 		}
 	}
 	return protos
+}
+
+// fleetLeaser is a store whose WebSocket leases a fleet shares (Redis):
+// while it is degraded, or when a lease fails, on_error decides.
+type fleetLeaser interface {
+	limiter.Leaser
+	limiter.HealthReporter
+	limiter.FailurePolicy
 }
 
 // Interface guards

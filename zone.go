@@ -8,8 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"go.uber.org/zap"
-
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
@@ -23,19 +21,20 @@ var zones = caddy.NewUsagePool()
 
 // zone is the state that handlers naming one zone share.
 type zone struct {
-	name  string
-	seq   uint64 // order of creation: the newer of two zones of one name wins
+	name string
+	seq  uint64 // order of creation: the newer of two zones of one name wins
+
+	// store keeps the counters. What only some stores do (health, leases,
+	// window cuts, key counts) the zone asks it for through limiter's
+	// optional interfaces.
 	store limiter.Store
+	// storeKind names the store for the admin API: "memory" or "redis".
+	storeKind string
+	// closeStore lets go of what the store shares with other zones (a
+	// Redis client); nil when nothing.
+	closeStore func() error
 
-	// mem is the store when it is the in-process one, for the settings
-	// only it has (max tracked, the sweep interval); nil otherwise.
-	mem        *limiter.MemoryStore
 	gcInterval atomic.Int64
-
-	// redis is the store when it is the Redis one, nil otherwise;
-	// redisConn names its client in redisClients.
-	redis     *limiter.RedisStore
-	redisConn string
 
 	// slots names the limit each memory store slot counts ("" for the
 	// first limit and for free slots).
@@ -90,18 +89,13 @@ var resultNames = [numResults]string{"allowed", "limited", "dry_run", "invalid",
 func (z *zone) count(result int) { z.results[result].Add(1) }
 
 // kind names the zone's store for the admin API: "memory" or "redis".
-func (z *zone) kind() string {
-	if z.mem != nil {
-		return "memory"
-	}
-	return "redis"
-}
+func (z *zone) kind() string { return z.storeKind }
 
 // health reports the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
 // where the store has one (Redis), or "".
 func (z *zone) health() string {
-	if z.redis != nil {
-		return z.redis.Health()
+	if h, ok := z.store.(limiter.HealthReporter); ok {
+		return h.Health()
 	}
 	return ""
 }
@@ -118,8 +112,24 @@ type zoneSettings struct {
 	onError    string        // Redis only
 }
 
-// holding is one handler's hold on the zone: an id the handler keeps, and
-// its settings.
+// zoneHold is what a zone gives a handler that holds it: the id it lets go
+// of the zone with, its limits with the zone's slot and window start for
+// each (in the order it gave them), and the running windows it cuts once it
+// serves (a shared store's, which a config only validated must not cut).
+type zoneHold struct {
+	id     uint64
+	limits []namedLimit
+	cuts   []windowCut
+}
+
+// windowCut is a limit whose window a reload shortened: its running windows
+// end at cutoff at the latest.
+type windowCut struct {
+	check  limiter.Check
+	cutoff time.Time
+}
+
+// holding is one handler's hold on the zone: its id, and its settings.
 type holding struct {
 	id       uint64
 	settings zoneSettings
@@ -160,96 +170,85 @@ var zoneSeq atomic.Uint64
 // hashedKeys reports whether the zone's store keeps HMAC hashes of the keys
 // rather than the keys (a Redis store with hash_keys).
 func (z *zone) hashedKeys() bool {
-	return z.redis != nil && z.redis.HashedKeys()
+	h, ok := z.store.(limiter.KeyHasher)
+	return ok && h.HashedKeys()
 }
 
-// newZone builds a zone for the handler's settings and starts its sweeper.
-func newZone(rl *RateLimit) *zone {
+// newZone builds a zone named name around store (of kind storeKind, let go
+// of with closeStore), running with s until a handler holds it, and starts
+// the store's background work.
+func newZone(name, storeKind string, store limiter.Store, closeStore func() error, s zoneSettings) *zone {
 	ctx, cancel := context.WithCancel(context.Background())
-	z := &zone{name: rl.Zone, seq: zoneSeq.Add(1), cancel: cancel}
-	interval := func() time.Duration { return time.Duration(z.gcInterval.Load()) }
-	if sc := rl.Store; sc.isRedis() {
-		client, warm := loadRedisClient(sc)
-		rs := limiter.NewRedisStore(limiter.RedisStoreOptions{
-			Client:     client,
-			Warmup:     warm,
-			Prefix:     sc.KeyPrefix + rl.Zone + ":",
-			HashKey:    sc.hashKey,
-			MaxTracked: rl.MaxTracked,
-			Logger:     rl.logger.With(zap.String("zone", rl.Zone)),
-			Pipeline:   sc.Pipeline == PipelineOn,
-		})
-		z.store, z.redis, z.redisConn = rs, rs, sc.connKey
-		z.apply(rl.settings())
-		go rs.Run(ctx, interval)
-		return z
+	z := &zone{name: name, seq: zoneSeq.Add(1), store: store, storeKind: storeKind, closeStore: closeStore, cancel: cancel}
+	z.apply(s)
+	if r, ok := store.(limiter.Runner); ok {
+		go r.Run(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
 	}
-	mem := limiter.NewMemoryStore(rl.MaxTracked)
-	z.store, z.mem = mem, mem
-	z.apply(rl.settings())
-	go mem.RunSweeper(ctx, interval)
 	return z
 }
 
-// hold records that rl uses the zone and applies its settings. Each of its
-// limits gets the zone's slot for its name. A limit whose window differs
-// from the running one takes effect now: its Limit records when, so that
-// windows begun under a longer one end a new window from now at the latest.
-func (z *zone) hold(rl *RateLimit) {
+// hold records a handler that runs with s, and applies s. Each limit of s
+// gets the zone's slot for its name. A limit whose window differs from the
+// running one takes effect now: its Limit records when, so that windows
+// begun under a longer one end a new window from now at the latest. The
+// returned hold says what the handler runs its limits with.
+func (z *zone) hold(s zoneSettings) zoneHold {
 	z.mu.Lock()
 	defer z.mu.Unlock()
 	var running *zoneSettings
 	if n := len(z.holders); n > 0 {
 		running = &z.holders[n-1].settings
 	}
-	for i := range rl.policies {
-		p := &rl.policies[i]
-		p.check.Slot = z.slotFor(p.check.Name, rl)
+	s.limits = slices.Clone(s.limits)
+	var cuts []windowCut
+	for i := range s.limits {
+		l := &s.limits[i]
+		l.slot = z.slotFor(l.storeName, s)
 		if running == nil {
 			continue
 		}
-		prev, ok := running.limit(p.check.Name)
+		prev, ok := running.limit(l.storeName)
 		if !ok {
 			continue
 		}
-		if prev.GCRA != p.check.Limit.GCRA && z.mem != nil {
+		if c, ok := z.store.(limiter.SlotCutter); ok && prev.GCRA != l.limit.GCRA {
 			// A window count read as an arrival time, or the reverse,
 			// means nothing: the limit starts afresh. (Redis tells them
 			// apart: internal/limiter/redis.lua.)
-			z.mem.ClearSlot(p.check.Slot)
+			c.ClearSlot(l.slot)
 		}
 		switch {
-		case prev.Window == p.check.Limit.Window:
-			p.check.Limit.Since = prev.Since
-		case p.check.Limit.Window > prev.Window:
-			p.check.Limit.Since = time.Now()
+		case prev.Window == l.limit.Window:
+			l.limit.Since = prev.Since
+		case l.limit.Window > prev.Window:
+			l.limit.Since = time.Now()
 		default:
 			// A shorter window: every running window ends a new window
-			// from now at the latest. The memory store is cut at once;
-			// Redis, shared with other instances and with any "caddy
-			// validate" run, is cut when this handler serves its first
-			// request, so a config that never runs cuts nothing.
-			p.check.Limit.Since = time.Now()
-			cutoff := p.check.Limit.Since.Add(p.check.Limit.Window)
-			if z.mem != nil {
-				z.mem.CutWindows(p.check.Slot, cutoff)
+			// from now at the latest. A store of this process is cut at
+			// once; a shared one (Redis, shared with other instances and
+			// with any "caddy validate" run) when the handler serves its
+			// first request, so a config that never runs cuts nothing.
+			l.limit.Since = time.Now()
+			cutoff := l.limit.Since.Add(l.limit.Window)
+			if c, ok := z.store.(limiter.SlotCutter); ok {
+				c.CutWindows(l.slot, cutoff)
 			}
-			if z.redis != nil && !p.check.Limit.Sliding && !p.check.Limit.GCRA {
+			if _, ok := z.store.(limiter.SharedCutter); ok && !l.limit.Sliding && !l.limit.GCRA {
 				// A sliding window's keys outlive its end by a window
 				// (internal/limiter/redis.lua): a shorter one applies from each
 				// key's next window.
-				rl.cutRedis = new(sync.Once)
-				rl.cuts = append(rl.cuts, windowCut{p.check, cutoff})
+				cuts = append(cuts, windowCut{limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}, cutoff})
 			}
 		}
 	}
-	rl.holdID = holdIDs.Add(1)
-	h := holding{id: rl.holdID, settings: rl.settings()}
+	h := holding{id: holdIDs.Add(1), settings: s}
 	z.holders = append(z.holders, h)
 	z.apply(h.settings)
+	return zoneHold{id: h.id, limits: s.limits, cuts: cuts}
 }
 
-// settings returns what the zone runs with while rl is its newest holder.
+// settings returns what the zone runs with while rl is its newest holder
+// (the slots and window starts are the zone's to give: see zone.hold).
 func (rl *RateLimit) settings() zoneSettings {
 	s := zoneSettings{
 		enabled:    rl.isEnabled(),
@@ -257,7 +256,7 @@ func (rl *RateLimit) settings() zoneSettings {
 		gcInterval: time.Duration(rl.GCInterval),
 	}
 	for _, p := range rl.policies {
-		s.limits = append(s.limits, namedLimit{name: p.name, storeName: p.check.Name, slot: p.check.Slot, limit: p.check.Limit})
+		s.limits = append(s.limits, namedLimit{name: p.name, storeName: p.check.Name, limit: p.check.Limit})
 	}
 	if rl.Store.isRedis() {
 		s.timeout, s.onError = time.Duration(rl.Store.Timeout), rl.Store.OnError
@@ -267,9 +266,9 @@ func (rl *RateLimit) settings() zoneSettings {
 
 // slotFor returns the slot of the memory store that counts the limit
 // stored under name: the slot it had, or a free one, or one that no holder
-// (nor rl) uses any more. The first limit ("") is always slot 0. The caller
-// holds z.mu.
-func (z *zone) slotFor(name string, rl *RateLimit) int {
+// (nor s, the settings being held) uses any more. The first limit ("") is
+// always slot 0. The caller holds z.mu.
+func (z *zone) slotFor(name string, s zoneSettings) int {
 	if name == "" {
 		return 0
 	}
@@ -284,15 +283,13 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 				return true
 			}
 		}
-		return slices.ContainsFunc(rl.policies, func(p policy) bool { return p.check.Name == n })
+		_, ok := s.limit(n)
+		return ok
 	}
 	take := func(i int) int {
 		z.slots[i] = name
-		if z.mem != nil {
-			z.mem.SetSlotName(i, name)
-		}
-		if z.redis != nil {
-			z.redis.SetSlotName(i, name)
+		if t, ok := z.store.(limiter.Tunable); ok {
+			t.SetSlotName(i, name)
 		}
 		return i
 	}
@@ -307,19 +304,19 @@ func (z *zone) slotFor(name string, rl *RateLimit) int {
 	// past its first); what the old config's last requests count in it
 	// lands in the new limit, a moment's overlap.
 	for i := 1; i < limiter.MaxChecks; i++ {
-		if !slices.ContainsFunc(rl.policies, func(p policy) bool { return p.check.Name == z.slots[i] }) {
+		if _, ok := s.limit(z.slots[i]); !ok {
 			return take(i)
 		}
 	}
 	panic("rate_limit: no memory slot for limit " + name) // unreachable: see above
 }
 
-// release records that rl no longer uses the zone, and applies the settings
-// of the newest handler still holding it.
-func (z *zone) release(rl *RateLimit) {
+// release records that the handler holding the zone under id no longer
+// uses it, and applies the settings of the newest handler still holding it.
+func (z *zone) release(id uint64) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
-	z.holders = slices.DeleteFunc(z.holders, func(h holding) bool { return h.id == rl.holdID })
+	z.holders = slices.DeleteFunc(z.holders, func(h holding) bool { return h.id == id })
 	if n := len(z.holders); n > 0 {
 		z.apply(z.holders[n-1].settings)
 	}
@@ -350,18 +347,19 @@ func (z *zone) spoofableKey() bool {
 // hold and release call it.
 func (z *zone) apply(s zoneSettings) {
 	z.gcInterval.Store(int64(s.gcInterval))
-	if z.mem != nil {
-		z.mem.SetMaxTracked(s.maxTracked)
+	if t, ok := z.store.(limiter.Tunable); ok {
+		t.SetMaxTracked(s.maxTracked)
 	}
-	if z.redis != nil {
+	if t, ok := z.store.(limiter.LimitsTunable); ok {
 		limits := make([]limiter.Check, len(s.limits))
 		for i, l := range s.limits {
 			limits[i] = limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}
 		}
-		z.redis.SetLimits(limits)
-		z.redis.SetMaxTracked(s.maxTracked)
-		z.redis.SetTimeout(s.timeout)
-		z.redis.SetOnError(s.onError)
+		t.SetLimits(limits)
+	}
+	if f, ok := z.store.(limiter.FailurePolicy); ok {
+		f.SetTimeout(s.timeout)
+		f.SetOnError(s.onError)
 	}
 }
 
@@ -369,8 +367,8 @@ func (z *zone) apply(s zoneSettings) {
 // is cleaned up.
 func (z *zone) Destruct() error {
 	z.cancel()
-	if z.redis != nil {
-		return releaseRedisClient(z.redisConn)
+	if z.closeStore != nil {
+		return z.closeStore()
 	}
 	return nil
 }

@@ -1,5 +1,8 @@
 package ratelimit
 
+// The Redis store's Caddy side: the store object's options, their checks and
+// placeholders, the clients zones share, and building a zone's store.
+
 import (
 	"crypto/sha256"
 	"crypto/tls"
@@ -14,16 +17,11 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
-)
-
-// Store types.
-const (
-	StoreMemory = "memory" // the in-process store (the default)
-	StoreRedis  = "redis"  // counters in Redis, shared by every Caddy instance using it
 )
 
 // Defaults of the Redis store options left unset.
@@ -381,6 +379,24 @@ func loadRedisClient(sc *StoreConfig) (redis.UniversalClient, *limiter.Warmup) {
 func releaseRedisClient(connKey string) error {
 	_, err := redisClients.Delete(connKey)
 	return err
+}
+
+// newRedisStore builds the Redis store of zone: its counters under the key
+// prefix and the zone's name, through the client shared by every zone of
+// the same connection config, which the returned func lets go of.
+func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Logger) (limiter.Store, func() error) {
+	client, warm := loadRedisClient(sc)
+	rs := limiter.NewRedisStore(limiter.RedisStoreOptions{
+		Client:     client,
+		Warmup:     warm,
+		Prefix:     sc.KeyPrefix + zone + ":",
+		HashKey:    sc.hashKey,
+		MaxTracked: maxTracked,
+		Logger:     logger.With(zap.String("zone", zone)),
+		Pipeline:   sc.Pipeline == PipelineOn,
+	})
+	connKey := sc.connKey
+	return rs, func() error { return releaseRedisClient(connKey) }
 }
 
 // Interface guards
