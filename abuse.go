@@ -126,37 +126,6 @@ func counts(ranges []statusRange, status int) bool {
 	return false
 }
 
-// checkCost checks a cost: a whole number from 1 to MaxRequests, or a
-// placeholder evaluated per request.
-func checkCost(what, v string) error {
-	if v == "" {
-		return nil
-	}
-	if strings.Contains(v, "{") {
-		return checkKey(what, v)
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 1 || n > MaxRequests {
-		return fmt.Errorf("invalid %s %q: must be a whole number from 1 to %d, or a placeholder", what, v, MaxRequests)
-	}
-	return nil
-}
-
-// checkBan checks a ban and its escalation cap.
-func checkBan(what string, ban, banMax time.Duration) error {
-	switch {
-	case ban == 0 && banMax != 0:
-		return fmt.Errorf("invalid %s_max %s: escalation needs a ban", what, banMax)
-	case ban == 0:
-		return nil
-	case ban < time.Second || ban > MaxWindow:
-		return fmt.Errorf("invalid %s %s: must be from 1s to %s", what, ban, MaxWindow)
-	case banMax != 0 && (banMax <= ban || banMax > MaxWindow):
-		return fmt.Errorf("invalid %s_max %s: the longest escalated ban must be above the ban (%s) and at most %s", what, banMax, ban, MaxWindow)
-	}
-	return nil
-}
-
 // AbuseControls turn a limit into a brute-force defence. On the handler
 // they apply to every limit; on a limit (LimitConfig) they replace the
 // handler's, each where it is set.
@@ -211,29 +180,6 @@ func (a AbuseControls) over(base AbuseControls) AbuseControls {
 		base.Burst = a.Burst
 	}
 	return base
-}
-
-// check reports every invalid control, naming the option (of the limit
-// what names, or of the handler for "") and its value.
-func (a AbuseControls) check(what, algorithm string) []error {
-	var errs []error
-	if _, err := parseStatusRanges(join(what, "count_status"), a.CountStatus); err != nil {
-		errs = append(errs, err)
-	}
-	if err := checkCost(join(what, "cost"), string(a.Cost)); err != nil {
-		errs = append(errs, err)
-	}
-	if err := checkBan(join(what, "ban"), time.Duration(a.Ban), time.Duration(a.BanMax)); err != nil {
-		errs = append(errs, err)
-	}
-	if a.Burst != 0 {
-		if algorithm != AlgorithmGCRA {
-			errs = append(errs, fmt.Errorf("invalid %s %d: burst applies to algorithm gcra only", join(what, "burst"), a.Burst))
-		} else if a.Burst < 1 || a.Burst > MaxRequests {
-			errs = append(errs, fmt.Errorf("invalid %s %d: must be from 1 to %d", join(what, "burst"), a.Burst, MaxRequests))
-		}
-	}
-	return errs
 }
 
 // unmarshalOption parses the Caddyfile option opt into a when it is one of

@@ -440,16 +440,16 @@ func parseWindow(d *caddyfile.Dispenser, opt, val string, durationOK bool) (cadd
 		if secs < 1 {
 			return 0, d.Errf("invalid %s %q: must be at least 1 second", opt, val)
 		}
-		if err != nil || secs > int64(MaxWindow/time.Second) {
-			return 0, d.Errf("invalid %s %q: must be at most %d seconds (%s)", opt, val, int64(MaxWindow/time.Second), MaxWindow)
+		if err != nil || secs > int64(MaxWindow/MinWindow) {
+			return 0, d.Errf("invalid %s %q: must be at most %d seconds (%s)", opt, val, int64(MaxWindow/MinWindow), MaxWindow)
 		}
-		return caddy.Duration(time.Duration(secs) * time.Second), nil
+		return caddy.Duration(time.Duration(secs) * MinWindow), nil
 	}
 	if !durationOK {
 		return 0, d.Errf("invalid %s %q: must be a whole number of seconds", opt, val)
 	}
 	dur, err := parseDuration(d, opt, val)
-	if err == nil && time.Duration(dur) < time.Second {
+	if err == nil && time.Duration(dur) < MinWindow {
 		err = d.Errf("invalid %s %q: must be at least 1s", opt, val)
 	}
 	return dur, err

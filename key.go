@@ -99,3 +99,11 @@ func clientIPKey(ip string, ipv6Prefix int) string {
 	}
 	return p.String()
 }
+
+// ipKey returns the key of client IP ip, or "" if there is none.
+func (rl *RateLimit) ipKey(ip string) string {
+	if ip == "" {
+		return ""
+	}
+	return clientIPKey(ip, rl.IPv6Prefix)
+}

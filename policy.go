@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"cmp"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -208,133 +207,6 @@ func (p *policy) resolve(repl *caddy.Replacer, h http.Header, ipKey string) (str
 	}
 }
 
-// checkLimits reports every invalid limit setting, naming the option and
-// its value.
-func (rl *RateLimit) checkLimits() []error {
-	var errs []error
-	if err := checkMissing("missing", rl.Missing); err != nil {
-		errs = append(errs, err)
-	}
-	if len(rl.Limits)+1 > limiter.MaxChecks {
-		errs = append(errs, fmt.Errorf("invalid limit: %d limits (the handler's first and %d more), at most %d", len(rl.Limits)+1, len(rl.Limits), limiter.MaxChecks))
-	}
-	seen := map[string]bool{}
-	for _, l := range rl.Limits {
-		what := fmt.Sprintf("limit %q", l.Name)
-		if !validLimitName(l.Name) {
-			errs = append(errs, fmt.Errorf("invalid limit name %q: use 1 to 32 letters, digits, _ and - only", l.Name))
-		}
-		zone := rl.Zone
-		if zone == "" {
-			zone = DefaultZone
-		}
-		if l.Name == zone {
-			errs = append(errs, fmt.Errorf("invalid limit name %q: the zone's name is its first limit's", l.Name))
-		}
-		if seen[l.Name] {
-			errs = append(errs, fmt.Errorf("invalid limit name %q: given twice", l.Name))
-		}
-		seen[l.Name] = true
-		if l.Max < 1 || l.Max > MaxRequests {
-			errs = append(errs, fmt.Errorf("invalid %s max %d: must be from 1 to %d", what, l.Max, MaxRequests))
-		}
-		if err := checkWindow(what+" window", time.Duration(l.Window)); err != nil {
-			errs = append(errs, err)
-		}
-		if err := checkKey(what+" key", l.Key); err != nil {
-			errs = append(errs, err)
-		}
-		if err := checkMissing(what+" missing", l.Missing); err != nil {
-			errs = append(errs, err)
-		}
-		errs = append(errs, l.AbuseControls.check(what, rl.Algorithm)...)
-		if l.BanOff && (l.Ban != 0 || l.BanMax != 0) {
-			errs = append(errs, fmt.Errorf("invalid %s ban %s: the limit sets ban_off (ban off) too", what, time.Duration(l.Ban)))
-		}
-	}
-	errs = append(errs, rl.AbuseControls.check("", rl.Algorithm)...)
-	if rl.Algorithm == AlgorithmGCRA {
-		if err := checkBucket("", rl.Max, time.Duration(rl.Window), rl.Burst); err != nil {
-			errs = append(errs, err)
-		}
-		for _, l := range rl.Limits {
-			if err := checkBucket(fmt.Sprintf("limit %q ", l.Name), l.Max, time.Duration(l.Window), cmp.Or(l.Burst, rl.Burst)); err != nil {
-				errs = append(errs, err)
-			}
-		}
-	}
-	if d := time.Duration(rl.Delay); d < 0 || d > MaxDelay || (d > 0 && d < MinDelay) {
-		errs = append(errs, fmt.Errorf("invalid delay %s: must be from %s to %s", d, MinDelay, MaxDelay))
-	}
-	if rl.DelayPerKey < 0 || rl.DelayPerKey > MaxDelayWaiting {
-		errs = append(errs, fmt.Errorf("invalid delay_per_key %d: must be from 1 to %d", rl.DelayPerKey, MaxDelayWaiting))
-	}
-	if rl.DelayTotal < 0 || rl.DelayTotal > MaxDelayWaiting {
-		errs = append(errs, fmt.Errorf("invalid delay_total %d: must be from 1 to %d", rl.DelayTotal, MaxDelayWaiting))
-	}
-	if rl.Delay == 0 && (rl.DelayPerKey != 0 || rl.DelayTotal != 0) {
-		errs = append(errs, fmt.Errorf("invalid delay_per_key %d / delay_total %d: they bound delay, which is not set", rl.DelayPerKey, rl.DelayTotal))
-	}
-	if rl.Delay != 0 && rl.bans() {
-		errs = append(errs, fmt.Errorf("invalid delay %s: a handler that bans cannot delay (the refusal a delay would wait out starts a ban)", time.Duration(rl.Delay)))
-	}
-	switch rl.Algorithm {
-	case "", AlgorithmFixed, AlgorithmSliding, AlgorithmGCRA:
-	default:
-		errs = append(errs, fmt.Errorf("invalid algorithm %q: must be fixed, sliding or gcra", rl.Algorithm))
-	}
-	if rl.Status != 0 && (rl.Status < 400 || rl.Status > 599) {
-		errs = append(errs, fmt.Errorf("invalid status %d: must be from 400 to 599", rl.Status))
-	}
-	for _, e := range rl.Exempt {
-		if _, err := parsePrefix(e); err != nil {
-			errs = append(errs, fmt.Errorf("invalid exempt %q: %v", e, err))
-		}
-	}
-	return errs
-}
-
-// checkMissing checks a missing setting: ip, reject, or a canonical value,
-// which must be printable and short enough to be kept as it is.
-func checkMissing(what, v string) error {
-	switch {
-	case v == "", v == MissingIP, v == MissingReject:
-		return nil
-	case !printable(v) || len(v) > maxCustomKeyLen || strings.ContainsAny(v, "{}"):
-		return fmt.Errorf("invalid %s %q: a value must be printable text of at most %d bytes, without braces", what, v, maxCustomKeyLen)
-	}
-	return nil
-}
-
-// checkWindow checks a window length.
-func checkWindow(what string, w time.Duration) error {
-	switch {
-	case w < time.Second:
-		return fmt.Errorf("invalid %s %s: must be at least 1s (a bare number in JSON is nanoseconds; write \"60s\")", what, w)
-	case w > MaxWindow:
-		return fmt.Errorf("invalid %s %s: must be at most %s", what, w, MaxWindow)
-	case w%time.Second != 0:
-		return fmt.Errorf("invalid %s %s: must be a whole number of seconds", what, w)
-	}
-	return nil
-}
-
-// validLimitName reports whether name can name a limit: it appears in
-// headers, Redis keys, metric labels and admin URLs.
-func validLimitName(name string) bool {
-	if name == "" || len(name) > 32 {
-		return false
-	}
-	for _, c := range name {
-		switch {
-		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '_', c == '-':
-		default:
-			return false
-		}
-	}
-	return true
-}
-
 // parsePrefix parses an exempt range: a CIDR, or a single address.
 func parsePrefix(s string) (netip.Prefix, error) {
 	if strings.Contains(s, "/") {
@@ -423,18 +295,4 @@ func (p *policy) setAbuse(a AbuseControls) {
 	p.setCost(string(a.Cost))
 	p.check.Limit.Ban, p.check.Limit.BanMax = time.Duration(a.Ban), time.Duration(a.BanMax)
 	p.check.Limit.Burst = a.Burst
-}
-
-// checkBucket checks that a GCRA bucket of burst requests (0: max), one
-// every window/max, empties within MaxWindow: a deeper one could not be
-// kept as a time.
-func checkBucket(what string, max int, window time.Duration, burst int) error {
-	if max < 1 || window <= 0 {
-		return nil // reported elsewhere, or the defaults
-	}
-	b := cmp.Or(burst, max)
-	if interval := window / time.Duration(max); interval > 0 && time.Duration(b) > MaxWindow/interval {
-		return fmt.Errorf("invalid %sburst %d: %d requests, one every %s, take longer than %s to drip back", what, b, b, interval, MaxWindow)
-	}
-	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -436,3 +437,17 @@ func claimZone(ctx context.Context, load any, zone, settings string) error {
 
 // Interface guards
 var _ caddy.Destructor = (*zone)(nil)
+
+// sharedSettings describes the settings handlers naming one zone must share.
+func (rl *RateLimit) sharedSettings() string {
+	limits := make([]string, len(rl.Limits))
+	for i, l := range rl.Limits {
+		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.abuse(rl.AbuseControls).shared()
+	}
+	algorithm := rl.Algorithm
+	if algorithm == "" {
+		algorithm = AlgorithmFixed
+	}
+	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t dry_run=%t store=%s",
+		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.DryRun, rl.Store.describe())
+}
