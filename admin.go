@@ -167,7 +167,7 @@ func (AdminAPI) handleForget(w http.ResponseWriter, r *http.Request, name string
 	}
 	var found bool
 	if name := params["policy"]; name != "" {
-		i := slices.IndexFunc(z.limits(), func(l namedLimit) bool { return l.name == name })
+		i := slices.IndexFunc(z.limits(), func(l zonePolicy) bool { return l.name == name })
 		if i < 0 {
 			return apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", name, z.name))
 		}
@@ -377,17 +377,19 @@ func parseQuery(raw string, allowed ...string) (map[string]string, error) {
 	return params, nil
 }
 
-// namedLimit is one limit of a zone as the admin API shows it.
-type namedLimit struct {
-	name      string // as shown: the zone's name for the first limit
-	storeName string // as the store keys it: "" for the first limit
+// zonePolicy is one policy of a zone (a named rule: the handler's first,
+// named after the zone, or a limit block) as the zone keeps it and the
+// admin API shows it.
+type zonePolicy struct {
+	name      string // as shown: the zone's name for the first policy
+	storeName string // as the store keys it: "" for the first policy
 	slot      int
-	limit     limiter.Limit
+	limit     limiter.Limit // its quota: max per window, and how it counts
 }
 
 // limits returns the limits of the config that last named the zone, the
 // first first.
-func (z *zone) limits() []namedLimit {
+func (z *zone) limits() []zonePolicy {
 	return z.newest().limits
 }
 

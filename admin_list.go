@@ -76,7 +76,7 @@ func parseListQuery(params map[string]string) (listQuery, error) {
 // list returns one page of the zone's keys that match q.
 func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, error) {
 	limits := z.limits()
-	if q.policy != "" && !slices.ContainsFunc(limits, func(l namedLimit) bool { return l.name == q.policy }) {
+	if q.policy != "" && !slices.ContainsFunc(limits, func(l zonePolicy) bool { return l.name == q.policy }) {
 		return KeyList{}, apiError(http.StatusBadRequest, fmt.Errorf("unknown policy %q in zone %q", q.policy, z.name))
 	}
 	if q.sort == SortRecentRefusals {
@@ -100,7 +100,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 // lock is held while matches are ranked; keeping only the best offset+limit
 // (which parseListQuery caps at MaxListDepth) makes a page of a large zone
 // cost one pass and bounded memory.
-func (z *zone) matches(ctx context.Context, q listQuery, now time.Time, limits []namedLimit) (*topKeys, int, error) {
+func (z *zone) matches(ctx context.Context, q listQuery, now time.Time, limits []zonePolicy) (*topKeys, int, error) {
 	best := &topKeys{k: q.offset + q.pageSize}
 	if s, ok := z.store.(limiter.RangeSizer); ok {
 		n := s.RangeLen()
@@ -143,20 +143,20 @@ func (z *zone) matches(ctx context.Context, q listQuery, now time.Time, limits [
 
 // limitStored returns the limit of limits that the store keys as
 // storeName, which a listed key is counted in.
-func limitStored(limits []namedLimit, storeName string) (namedLimit, bool) {
+func limitStored(limits []zonePolicy, storeName string) (zonePolicy, bool) {
 	for _, l := range limits {
 		if l.storeName == storeName {
 			return l, true
 		}
 	}
-	return namedLimit{}, false
+	return zonePolicy{}, false
 }
 
 // currentState returns ks, a key's state in l, as listed at now, and
 // whether it is still running. A window a reload shortened is listed as it
 // now ends. A banned key is listed until its ban ends, and a GCRA bucket
 // may be deeper than a window: neither is cut.
-func currentState(l namedLimit, ks limiter.KeyState, now time.Time) (limiter.KeyState, bool) {
+func currentState(l zonePolicy, ks limiter.KeyState, now time.Time) (limiter.KeyState, bool) {
 	if !ks.BannedUntil.After(now) && !l.limit.GCRA {
 		t := now.UnixNano()
 		reset := l.limit.End(ks.Reset.UnixNano(), t)
@@ -169,7 +169,7 @@ func currentState(l namedLimit, ks limiter.KeyState, now time.Time) (limiter.Key
 }
 
 // keyInfo describes ks, a key's current state in l, for zone's listing.
-func keyInfo(zone string, l namedLimit, ks limiter.KeyState, now time.Time) KeyInfo {
+func keyInfo(zone string, l zonePolicy, ks limiter.KeyState, now time.Time) KeyInfo {
 	held, limited := l.limit.Weigh(ks, now)
 	quota, count := l.limit.Max, ks.Count
 	if l.limit.GCRA {

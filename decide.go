@@ -41,7 +41,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		if key == "" {
 			continue
 		}
-		d.n = n + 1 // before the key is written: release clears it
+		d.n = n + 1 // before the key is written: recycle clears it
 		checks[n], of[n] = p.check, i
 		checks[n].Key = key
 		if key == p.missingKey {
@@ -178,9 +178,9 @@ type decision struct {
 	entered, kept [limiter.MaxChecks]bool
 }
 
-// release returns d to the pool, holding no request's keys: refund holds
+// recycle returns d to the pool, holding no request's keys: refund holds
 // at most the n checks in use.
-func (d *decision) release() {
+func (d *decision) recycle() {
 	clear(d.checks[:d.n])
 	clear(d.refund[:d.n])
 	clear(d.entered[:d.n])

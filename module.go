@@ -409,7 +409,7 @@ func (rl *RateLimit) Cleanup() error {
 	}
 	// rl.zone stays set: a request still being served by the old config
 	// may read it.
-	rl.zone.release(rl.holdID)
+	rl.zone.unhold(rl.holdID)
 	_, err := zones.Delete(rl.poolKey())
 	return err
 }
@@ -445,7 +445,7 @@ func (rl *RateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	// recovers) leaves its buffer to the collector.
 	d := decisions.Get().(*decision)
 	err := rl.serve(w, r, next, d, vars, ip)
-	d.release()
+	d.recycle()
 	return err
 }
 

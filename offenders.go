@@ -231,7 +231,7 @@ const (
 // each with the live state of its key in the limit that refused it last
 // where the store still tracks it (one pass over the store, as the default
 // listing makes).
-func (z *zone) listRecent(ctx context.Context, q listQuery, limits []namedLimit, now time.Time) (KeyList, error) {
+func (z *zone) listRecent(ctx context.Context, q listQuery, limits []zonePolicy, now time.Time) (KeyList, error) {
 	recent := z.offenders.list(now)
 	// A zone that lists HMAC hashes lists its offenders by hash too.
 	if h, ok := z.store.(limiter.KeyHasher); ok && h.HashedKeys() {
@@ -242,16 +242,16 @@ func (z *zone) listRecent(ctx context.Context, q listQuery, limits []namedLimit,
 	recent = slices.DeleteFunc(recent, func(r recentOffender) bool {
 		return !strings.HasPrefix(r.key, q.prefix) || q.policy != "" && r.limit != q.policy
 	})
-	limitOf := func(name string) (namedLimit, bool) {
-		i := slices.IndexFunc(limits, func(l namedLimit) bool { return l.name == name })
+	limitOf := func(name string) (zonePolicy, bool) {
+		i := slices.IndexFunc(limits, func(l zonePolicy) bool { return l.name == name })
 		if i < 0 {
-			return namedLimit{}, false
+			return zonePolicy{}, false
 		}
 		return limits[i], true
 	}
 	type row struct {
 		recentOffender
-		l       namedLimit
+		l       zonePolicy
 		known   bool // l is a limit of the running config
 		ks      limiter.KeyState
 		tracked bool // ks is the key's state now

@@ -106,7 +106,7 @@ func (z *zone) health() string {
 // config's handlers.
 type zoneSettings struct {
 	enabled    bool
-	limits     []namedLimit // the first limit first
+	limits     []zonePolicy // the first limit first
 	maxTracked int
 	gcInterval time.Duration
 	timeout    time.Duration // Redis only
@@ -119,7 +119,7 @@ type zoneSettings struct {
 // serves (a shared store's, which a config only validated must not cut).
 type zoneHold struct {
 	id     uint64
-	limits []namedLimit
+	limits []zonePolicy
 	cuts   []windowCut
 }
 
@@ -152,7 +152,7 @@ func (z *zone) newest() zoneSettings {
 	if n := len(z.holders); n > 0 {
 		return z.holders[n-1].settings
 	}
-	return zoneSettings{enabled: true, limits: []namedLimit{{name: z.name, limit: limiter.Limit{Window: DefaultWindow, Max: DefaultMax}}}}
+	return zoneSettings{enabled: true, limits: []zonePolicy{{name: z.name, limit: limiter.Limit{Window: DefaultWindow, Max: DefaultMax}}}}
 }
 
 // limit returns the zone's limit stored under name in s.
@@ -257,7 +257,7 @@ func (rl *RateLimit) settings() zoneSettings {
 		gcInterval: time.Duration(rl.GCInterval),
 	}
 	for _, p := range rl.policies {
-		s.limits = append(s.limits, namedLimit{name: p.name, storeName: p.check.Name, limit: p.check.Limit})
+		s.limits = append(s.limits, zonePolicy{name: p.name, storeName: p.check.Name, limit: p.check.Limit})
 	}
 	if rl.Store.isRedis() {
 		s.timeout, s.onError = time.Duration(rl.Store.Timeout), rl.Store.OnError
@@ -312,9 +312,9 @@ func (z *zone) slotFor(name string, s zoneSettings) int {
 	panic("rate_limit: no memory slot for limit " + name) // unreachable: see above
 }
 
-// release records that the handler holding the zone under id no longer
+// unhold records that the handler holding the zone under id no longer
 // uses it, and applies the settings of the newest handler still holding it.
-func (z *zone) release(id uint64) {
+func (z *zone) unhold(id uint64) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
 	z.holders = slices.DeleteFunc(z.holders, func(h holding) bool { return h.id == id })
@@ -345,7 +345,7 @@ func (z *zone) spoofableKey() bool {
 
 // apply takes the settings of the newest holder, so that a reload that
 // changes them takes effect without dropping the zone's counts. newZone,
-// hold and release call it.
+// hold and unhold call it.
 func (z *zone) apply(s zoneSettings) {
 	z.gcInterval.Store(int64(s.gcInterval))
 	if t, ok := z.store.(limiter.Tunable); ok {
