@@ -135,3 +135,17 @@ func wantHeader(t *testing.T, resp *http.Response, name, want string) {
 		t.Errorf("%s = %q, want %q", name, got, want)
 	}
 }
+
+// eventually polls cond every 10ms for up to 5s and reports whether it
+// held: for what Caddy does after the client has its answer, and for a
+// window that must end in real time. Every test waits this way, never by
+// a fixed sleep: the deadline is far above the wait on an idle machine, so
+// a loaded one is slow, not wrong.
+func eventually(cond func() bool) bool {
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
