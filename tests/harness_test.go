@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -148,4 +149,31 @@ func eventually(cond func() bool) bool {
 		}
 	}
 	return cond()
+}
+
+// waitWindowOver waits until the zone's listing counts nothing for key
+// ("policy/key", as listingOf names it): its window has ended. The key must
+// be counted when it is called, so that a misnamed key cannot make the wait
+// pass at once; it fails the test if the window still counts after
+// eventually's deadline.
+func waitWindowOver(t *testing.T, zone, key string) {
+	t.Helper()
+	counted := func() string { return listingOf(t, zone)[key] }
+	if l := counted(); l == "" || strings.HasPrefix(l, "0 ") {
+		t.Fatalf("%s in zone %s is not counted (%q), so there is no window to wait out", key, zone, l)
+	}
+	over := func() bool { l := counted(); return l == "" || strings.HasPrefix(l, "0 ") }
+	if !eventually(over) {
+		t.Fatalf("the window of %s in zone %s still counts %q 5s on", key, zone, counted())
+	}
+}
+
+// zoneRuns numbers the zones fresh names.
+var zoneRuns atomic.Int64
+
+// fresh returns name with a suffix that no other call returns: a zone
+// outlives the configs that name it, so a test run again in this process
+// (go test -count) needs new zones to start with no counts.
+func fresh(name string) string {
+	return fmt.Sprintf("%s-%d", name, zoneRuns.Add(1))
 }
