@@ -26,17 +26,6 @@ func forEachStore(t *testing.T, fn func(t *testing.T, name, store string)) {
 	})
 }
 
-// eventually polls cond every 10ms for up to 5s and reports whether it
-// held: for what Caddy does after the client has its answer.
-func eventually(cond func() bool) bool {
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-	}
-	return cond()
-}
-
 // bannedUntil returns the banned_until of key in limit policy of zone's
 // listing (0: not banned, or not listed).
 func bannedUntil(t *testing.T, zone, policy, key string) int64 {

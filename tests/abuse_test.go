@@ -149,7 +149,7 @@ func TestBanFleet(t *testing.T) {
 	if reset, _ := strconv.ParseInt(resp.Header.Get("X-Ratelimit-Reset"), 10, 64); reset < time.Now().Unix()+55 {
 		t.Errorf("X-RateLimit-Reset = %d, want the ban's end, a minute from now", reset)
 	}
-	time.Sleep(1500 * time.Millisecond) // the window is over; the ban is not
+	waitWindowOver(t, zone, zone+"/key:mallory") // the window is over; the ban is not
 	for _, base := range []string{a.Base, b} {
 		resp := get(base)
 		wantStatus(t, resp, http.StatusTooManyRequests)
@@ -315,14 +315,14 @@ func TestDelay(t *testing.T) {
 	}
 	// A client that gives up while waiting spends nothing: the next window
 	// is whole for the request after it.
-	time.Sleep(time.Second + 50*time.Millisecond) // the late request's window ends
+	waitWindowOver(t, "e2e-delay", "e2e-delay/198.51.100.6") // the late request's window ends
 	resp, _, _ = get(client)
 	wantStatus(t, resp, http.StatusOK)
 	impatient := &http.Client{Timeout: 200 * time.Millisecond}
 	if _, _, err := get(impatient); err == nil {
 		t.Fatal("the impatient client got an answer while the window was spent")
 	}
-	time.Sleep(time.Second)
+	waitWindowOver(t, "e2e-delay", "e2e-delay/198.51.100.6")
 	resp, took, _ = get(client)
 	if resp.StatusCode != http.StatusOK || took > 300*time.Millisecond {
 		t.Fatalf("request after the impatient one gave up: %d after %s, want a 200 at once (the impatient one spent nothing)", resp.StatusCode, took)

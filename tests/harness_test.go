@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -134,4 +135,45 @@ func wantHeader(t *testing.T, resp *http.Response, name, want string) {
 	if got := resp.Header.Get(name); got != want {
 		t.Errorf("%s = %q, want %q", name, got, want)
 	}
+}
+
+// eventually polls cond every 10ms for up to 5s and reports whether it
+// held: for what Caddy does after the client has its answer, and for a
+// window that must end in real time. Every test waits this way, never by
+// a fixed sleep: the deadline is far above the wait on an idle machine, so
+// a loaded one is slow, not wrong.
+func eventually(cond func() bool) bool {
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
+
+// waitWindowOver waits until the zone's listing counts nothing for key
+// ("policy/key", as listingOf names it): its window has ended. The key must
+// be counted when it is called, so that a misnamed key cannot make the wait
+// pass at once; it fails the test if the window still counts after
+// eventually's deadline.
+func waitWindowOver(t *testing.T, zone, key string) {
+	t.Helper()
+	counted := func() string { return listingOf(t, zone)[key] }
+	if l := counted(); l == "" || strings.HasPrefix(l, "0 ") {
+		t.Fatalf("%s in zone %s is not counted (%q), so there is no window to wait out", key, zone, l)
+	}
+	over := func() bool { l := counted(); return l == "" || strings.HasPrefix(l, "0 ") }
+	if !eventually(over) {
+		t.Fatalf("the window of %s in zone %s still counts %q 5s on", key, zone, counted())
+	}
+}
+
+// zoneRuns numbers the zones fresh names.
+var zoneRuns atomic.Int64
+
+// fresh returns name with a suffix that no other call returns: a zone
+// outlives the configs that name it, so a test run again in this process
+// (go test -count) needs new zones to start with no counts.
+func fresh(name string) string {
+	return fmt.Sprintf("%s-%d", name, zoneRuns.Add(1))
 }

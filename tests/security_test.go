@@ -319,7 +319,10 @@ func memoryAndRedis(prefix, window string, max int, redisAddr string) string {
 
 // A reload that shortens the window refuses no key for longer than the new
 // window from the reload, however often the key comes back, in memory and in
-// Redis; the listing shows the new reset at once.
+// Redis; the listing shows the new reset at once. The key is still refused
+// right after the reload (its count survives it), every refusal names the
+// new end, and the key is admitted to a whole new window once it has passed,
+// long before the old window of two minutes would have ended.
 func TestShortenedWindowEndsAtOnce(t *testing.T) {
 	srv := redistest.Start(t)
 	site := func(window string) string { return memoryAndRedis("e2e-shorten", window, 2, srv.Addr) }
@@ -333,11 +336,25 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 			}
 		}
 	}
-	time.Sleep(time.Second) // the window has run a while when the reload comes
-	s.reload("", site("5"))
+	s.reload("", site("1"))
 	reloaded := time.Now()
-	latest := reloaded.Add(5*time.Second).Unix() + 1
+	latest := reloaded.Add(time.Second).Unix() + 1
 
+	// refusedByNewWindow fails the test unless resp is a 429 that ends
+	// within the new window.
+	refusedByNewWindow := func(p string, resp *http.Response) {
+		t.Helper()
+		retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+		reset, _ := strconv.ParseInt(resp.Header.Get("X-RateLimit-Reset"), 10, 64)
+		if resp.StatusCode != http.StatusTooManyRequests || retry != 1 || reset > latest {
+			t.Fatalf("%s %s after the reload: %d, Retry-After %q, reset %d; want 429 ending by %d",
+				p, time.Since(reloaded).Round(time.Millisecond), resp.StatusCode, resp.Header.Get("Retry-After"), reset, latest)
+		}
+	}
+	for _, p := range paths {
+		resp, _ := s.get(p)
+		refusedByNewWindow(p, resp)
+	}
 	for _, zone := range []string{"e2e-shorten-memory", "e2e-shorten-redis"} {
 		var list keyList
 		adminJSON(t, "/rate_limit/"+zone, &list)
@@ -345,23 +362,27 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 			t.Fatalf("%s listing after the reload = %+v, want one key resetting by %d", zone, list, latest)
 		}
 	}
-	for _, after := range []time.Duration{500 * time.Millisecond, 2 * time.Second, 4 * time.Second} {
-		time.Sleep(time.Until(reloaded.Add(after)))
+
+	// The key keeps coming back until it is admitted; a refusal counts
+	// nothing, so the window it is admitted to is whole.
+	admitted := map[string]bool{}
+	comesBack := func() bool {
 		for _, p := range paths {
-			resp, _ := s.get(p)
-			retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
-			reset, _ := strconv.ParseInt(resp.Header.Get("X-RateLimit-Reset"), 10, 64)
-			if resp.StatusCode != http.StatusTooManyRequests || retry < 1 || retry > 5 || reset > latest {
-				t.Fatalf("%s %s after the reload: %d, Retry-After %q, reset %d; want 429 ending by %d",
-					p, after, resp.StatusCode, resp.Header.Get("Retry-After"), reset, latest)
+			if admitted[p] {
+				continue
 			}
+			resp, _ := s.get(p)
+			if resp.StatusCode == http.StatusOK {
+				wantHeader(t, resp, "X-RateLimit-Remaining", "1")
+				admitted[p] = true
+				continue
+			}
+			refusedByNewWindow(p, resp)
 		}
+		return len(admitted) == len(paths)
 	}
-	time.Sleep(time.Until(reloaded.Add(5200 * time.Millisecond)))
-	for _, p := range paths {
-		resp, _ := s.get(p)
-		wantStatus(t, resp, http.StatusOK)
-		wantHeader(t, resp, "X-RateLimit-Remaining", "1")
+	if !eventually(comesBack) {
+		t.Fatalf("admitted %v %s after the reload to a 1s window, want both", admitted, time.Since(reloaded).Round(time.Millisecond))
 	}
 }
 
@@ -394,35 +415,68 @@ func TestTrustedProxiesStrict(t *testing.T) {
 // when the key comes back in the last part of its old window (where the
 // old end is within a new window of the request): in memory at once, in
 // Redis once the first request after the reload has started the cut.
+//
+// The key must come back after the new end and before the old one, and no
+// earlier (a request before the last part of the old window would cut its
+// window itself): with a 3s window cut to 1s, that is one sleep to a point
+// in the last second of the old window. A reload so slow that the point
+// has passed leaves nothing tested, so the scenario runs again in fresh
+// zones, and fails after three tries rather than pass untested.
 func TestShortenedWindowNearItsEnd(t *testing.T) {
 	srv := redistest.Start(t)
-	site := func(window string) string { return memoryAndRedis("e2e-near", window, 1, srv.Addr) }
-	s := startCaddy(t, trustLoopback, site("10"))
 	paths := []string{"/memory", "/redis"}
-	began := time.Now()
-	for _, p := range paths {
-		s.get(p, "X-Forwarded-For", "203.0.113.60")
-		if resp, _ := s.get(p, "X-Forwarded-For", "203.0.113.60"); resp.StatusCode != http.StatusTooManyRequests {
-			t.Fatalf("%s second request: %d, want 429", p, resp.StatusCode)
+	var s *server
+	for try := 1; try <= 3; try++ {
+		site := func(window string) string {
+			return memoryAndRedis(fmt.Sprintf("e2e-near%d", try), window, 1, srv.Addr)
 		}
-	}
-	time.Sleep(time.Until(began.Add(2 * time.Second)))
-	s.reload(trustLoopback, site("5"))
-	reloaded := time.Now()
-	// Another client's request starts the Redis cut.
-	for _, p := range paths {
-		s.get(p, "X-Forwarded-For", "198.51.100.60")
-	}
-	// The old windows end at began+10s; cut, they end by reloaded+5s.
-	time.Sleep(time.Until(reloaded.Add(5200 * time.Millisecond)))
-	if time.Since(began) > 9*time.Second {
-		t.Skip("the machine was too slow to reach the new end before the old one")
-	}
-	for _, p := range paths {
-		resp, _ := s.get(p, "X-Forwarded-For", "203.0.113.60")
-		if resp.StatusCode != http.StatusOK {
-			t.Errorf("%s %s after the reload: %d, want 200 (the old window ends %s after it)",
-				p, time.Since(reloaded).Round(time.Millisecond), resp.StatusCode, began.Add(10*time.Second).Sub(reloaded).Round(time.Millisecond))
+		if s == nil {
+			s = startCaddy(t, trustLoopback, site("3"))
+		} else {
+			s.reload(trustLoopback, site("3"))
 		}
+		began := time.Now()
+		for _, p := range paths {
+			s.get(p, "X-Forwarded-For", "203.0.113.60")
+			if resp, _ := s.get(p, "X-Forwarded-For", "203.0.113.60"); resp.StatusCode != http.StatusTooManyRequests {
+				t.Fatalf("%s second request: %d, want 429", p, resp.StatusCode)
+			}
+		}
+		blocked := time.Now()
+		s.reload(trustLoopback, site("1"))
+		reloaded := time.Now()
+		// Another client's request starts the Redis cut.
+		for _, p := range paths {
+			s.get(p, "X-Forwarded-For", "198.51.100.60")
+		}
+		// The old windows began after began and before blocked, so they
+		// end between began+3s and blocked+3s; cut, they end by
+		// reloaded+1s. Come back once both the new end and the start of
+		// the old window's last second have passed.
+		oldEnd := began.Add(3 * time.Second)
+		comeBack := reloaded.Add(time.Second)
+		if last := blocked.Add(2 * time.Second); last.After(comeBack) {
+			comeBack = last
+		}
+		comeBack = comeBack.Add(50 * time.Millisecond)
+		time.Sleep(time.Until(comeBack))
+		var statuses []int
+		for _, p := range paths {
+			resp, _ := s.get(p, "X-Forwarded-For", "203.0.113.60")
+			statuses = append(statuses, resp.StatusCode)
+		}
+		if done := time.Now(); done.After(oldEnd) {
+			t.Logf("try %d: the reload took %s and the key came back %s after the old windows began: past their end, so untested",
+				try, reloaded.Sub(blocked).Round(time.Millisecond), done.Sub(began).Round(time.Millisecond))
+			continue
+		}
+		for i, p := range paths {
+			if statuses[i] != http.StatusOK {
+				t.Errorf("%s %s after the reload: %d, want 200 (the old window ends %s after it)",
+					p, comeBack.Sub(reloaded).Round(time.Millisecond), statuses[i], oldEnd.Sub(reloaded).Round(time.Millisecond))
+			}
+		}
+		return
 	}
+	t.Fatal("three tries found no time between the new end and the old one: blocking the key and reloading took nearly two seconds each time")
 }

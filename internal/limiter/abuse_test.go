@@ -89,8 +89,10 @@ func TestRefund(t *testing.T) {
 	})
 }
 
+// A ban outlives the window: a 200ms window, so that waiting it out takes
+// no more than 300ms, under a 3s ban.
 func TestBan(t *testing.T) {
-	lim := Limit{Window: time.Second, Max: 1, Ban: 3 * time.Second}
+	lim := Limit{Window: 200 * time.Millisecond, Max: 1, Ban: 3 * time.Second}
 	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
 		c := Check{Key: "203.0.113.3", Limit: lim}
 		start := time.Now()
@@ -102,9 +104,9 @@ func TestBan(t *testing.T) {
 			t.Fatalf("second request = %+v, want refused for the 3s ban", out[0])
 		}
 		// The window ended long ago; the ban holds.
-		time.Sleep(1500 * time.Millisecond)
+		time.Sleep(300 * time.Millisecond)
 		out, ok = decide(t, s, time.Now(), c)
-		if ok || out[0].RetryAfter < time.Second {
+		if ok || out[0].RetryAfter < 2*time.Second {
 			t.Fatalf("request after the window = %+v, want still banned", out[0])
 		}
 		var banned []KeyState
@@ -127,10 +129,13 @@ func TestBan(t *testing.T) {
 	})
 }
 
+// Bans double with each strike up to BanMax: in milliseconds, so that
+// waiting out three bans takes 1.2s, not 6s.
 func TestBanEscalates(t *testing.T) {
-	lim := Limit{Window: time.Second, Max: 1, Ban: time.Second, BanMax: 3 * time.Second}
-	if got := []time.Duration{lim.banFor(1), lim.banFor(2), lim.banFor(3), lim.banFor(60)}; got[0] != time.Second || got[1] != 2*time.Second || got[2] != 3*time.Second || got[3] != 3*time.Second {
-		t.Fatalf("bans of strikes 1, 2, 3, 60 = %v, want 1s 2s 3s 3s", got)
+	const ban = 200 * time.Millisecond
+	lim := Limit{Window: ban / 2, Max: 1, Ban: ban, BanMax: 3 * ban}
+	if got := []time.Duration{lim.banFor(1), lim.banFor(2), lim.banFor(3), lim.banFor(60)}; got[0] != ban || got[1] != 2*ban || got[2] != 3*ban || got[3] != 3*ban {
+		t.Fatalf("bans of strikes 1, 2, 3, 60 = %v, want %v %v %v %v", got, ban, 2*ban, 3*ban, 3*ban)
 	}
 	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
 		c := Check{Key: "203.0.113.4", Limit: lim}
@@ -150,11 +155,11 @@ func TestBanEscalates(t *testing.T) {
 			}
 			bans = append(bans, out[0].RetryAfter)
 		}
-		// 1s, 2s, then 3s (the cap): each at least its ban, and the
-		// window (1s) at most.
-		for i, want := range []time.Duration{time.Second, 2 * time.Second, 3 * time.Second} {
-			if bans[i] < want-100*time.Millisecond || bans[i] > want+50*time.Millisecond {
-				t.Fatalf("bans = %v, want about 1s, 2s, 3s", bans)
+		// 1, 2, then 3 bans (the cap): each its ban, less the time the
+		// decision took.
+		for i, want := range []time.Duration{ban, 2 * ban, 3 * ban} {
+			if bans[i] < want-ban/2 || bans[i] > want+ban/4 {
+				t.Fatalf("bans = %v, want about %v, %v, %v", bans, ban, 2*ban, 3*ban)
 			}
 		}
 	})
