@@ -12,17 +12,18 @@ import (
 
 // MemoryStore is the in-process Store: fixed or sliding windows in a sharded
 // hash map, bounded to a maximum number of tracked keys. When full it first
-// purges expired windows, then evicts the keys it inserted first (FIFO, kept
-// per shard: the oldest key of the shard that needs room goes). A bound
-// lowered below the keys tracked is reached off the request path (Trim).
+// purges expired windows, then evicts the keys it inserted first (FIFO,
+// across the store: each shard publishes when its oldest key was inserted,
+// and the oldest key of all goes). A bound lowered below the keys tracked is
+// reached off the request path (Trim).
 //
 // A key of up to inlineMax bytes (every IPv4 address) is kept inline in the
 // shard's open-addressing table, outside the Go heap; a longer one in a Go
 // map. A Hit on a key already tracked is one hash, one shard lock and one
 // lookup, and allocates nothing, nor does tracking a new short key; a
 // Decide over n limits takes the n shard locks in ascending order, so that
-// decisions never deadlock and each is atomic. The zero value is not usable; call NewMemoryStore. A MemoryStore
-// is safe for concurrent use.
+// decisions never deadlock and each is atomic. The zero value is not
+// usable; call NewMemoryStore. A MemoryStore is safe for concurrent use.
 type MemoryStore struct {
 	seed       maphash.Seed
 	shards     []memShard
@@ -35,6 +36,14 @@ type MemoryStore struct {
 	purgedAt   atomic.Int64  // Unix nanoseconds of the last purge made for room
 	purgeEvery time.Duration // least time between two purges made for room
 	trimWake   chan struct{} // a lowered bound for the sweeper to reach; buffered 1
+	seq        atomic.Uint64 // the last insertion seq, counted across the store
+
+	// oldest is the seq of each shard's oldest key (noKeys for none), so
+	// that eviction finds the store's oldest key without locking every
+	// shard. It is written under the shard's lock; a key removed other
+	// than by eviction may leave it older than the shard's oldest key,
+	// never newer (lockOldest corrects it).
+	oldest [numShards]atomic.Uint64
 
 	namesMu sync.Mutex
 	names   [MaxChecks]string // the limit name of each slot, for Range
@@ -42,8 +51,8 @@ type MemoryStore struct {
 
 // memShard holds the windows of the keys that hash to it: short keys in its
 // inline table, longer ones in a map per limit slot with their insertion
-// order beside. Both share one insertion seq, so that eviction takes the
-// oldest of either.
+// order beside. Both take their insertion seqs from the store's one
+// counter, so that eviction takes the oldest of either, and of any shard.
 type memShard struct {
 	mu      sync.Mutex
 	short   inlineTable                    // keys of at most inlineMax bytes, of every slot
@@ -51,7 +60,6 @@ type memShard struct {
 	bans    [MaxChecks]map[string]banEntry // banned keys by limit slot; nil until used
 	order   []orderItem                    // insertion order of entries; live items start at head
 	head    int
-	seq     uint64
 	_       [64]byte // keep neighbouring shards' locks off one cache line
 }
 
@@ -106,6 +114,7 @@ func NewMemoryStore(maxTracked int) *MemoryStore {
 	}
 	for i := range s.shards {
 		s.shards[i].entries[0] = make(map[string]memEntry)
+		s.oldest[i].Store(noKeys)
 	}
 	s.SetMaxTracked(maxTracked)
 	return s
@@ -166,6 +175,7 @@ func (s *MemoryStore) ClearSlot(slot int) {
 		nb := len(sh.bans[slot])
 		sh.bans[slot] = nil
 		sh.compact()
+		s.publish(i)
 		sh.mu.Unlock()
 		s.tracked.Add(-int64(n))
 		s.banned.Add(-int64(nb))
@@ -266,12 +276,17 @@ func (s *MemoryStore) decideMany(checks []Check, t int64, out []Verdict) {
 			s.shards[idx[i]].put(at[i], c.Slot, c.Key, &es[i])
 		}
 	}
+	inserted := 0
 	for i := range checks {
 		if !found[i] && tracks(&checks[i], &es[i], t) {
 			s.insert(hs[i], &checks[i], &es[i])
+			inserted++
 		}
 	}
 	s.unlockShards(locks[:nl])
+	if inserted > 0 {
+		s.makeRoom(inserted)
+	}
 }
 
 // decideOne is Decide for one check, the common case: one shard, one lock,
@@ -290,12 +305,17 @@ func (s *MemoryStore) decideOne(c *Check, t int64, out *Verdict) {
 	}
 	j := s.judge(sh, c, &e, found, t, out)
 	s.settle(idx, c, &e, t, out.Allowed, j, out)
+	inserted := false
 	if found {
 		sh.put(at, c.Slot, c.Key, &e)
 	} else if tracks(c, &e, t) {
 		s.insert(h, c, &e)
+		inserted = true
 	}
 	sh.mu.Unlock()
+	if inserted {
+		s.makeRoom(1)
+	}
 }
 
 // judgement is what judge found of one check, for settle.

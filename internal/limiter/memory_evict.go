@@ -2,7 +2,7 @@ package limiter
 
 import (
 	"context"
-	"slices"
+	"math"
 	"strings"
 	"time"
 )
@@ -30,20 +30,19 @@ func (it orderItem) slot() int { return int(it.seq & (1<<slotBits - 1)) }
 // eviction more, never of the whole excess.
 const insertEvictions = 2
 
-// insert adds e as the entry of the check's key, whose hash is h, evicting
-// to make room when the store is full. The caller holds the shard's lock.
+// insert adds e as the entry of the check's key, whose hash is h, with the
+// store's next insertion seq. The caller holds the shard's lock, and calls
+// makeRoom once it holds no lock.
 func (s *MemoryStore) insert(h uint64, c *Check, e *memEntry) {
 	idx := h & s.mask
 	sh := &s.shards[idx]
-	for range insertEvictions {
-		if !s.full() || !(sh.evictOldest(s) || s.evictElsewhere(idx)) {
-			break
-		}
-	}
-	sh.seq++
+	seq := s.seq.Add(1)
 	s.tracked.Add(1)
+	if s.oldest[idx].Load() == noKeys {
+		s.oldest[idx].Store(seq)
+	}
 	if k, short := packKey(c.Slot, c.Key); short {
-		sh.short.add(uint32(h>>32), &k, e, uint32(sh.seq))
+		sh.short.add(uint32(h>>32), &k, e, uint32(seq))
 		return
 	}
 	m := sh.entries[c.Slot]
@@ -52,9 +51,124 @@ func (s *MemoryStore) insert(h uint64, c *Check, e *memEntry) {
 		sh.entries[c.Slot] = m
 	}
 	key := strings.Clone(c.Key) // never pin the request's memory in the map
-	e.seq = sh.seq<<slotBits | uint64(c.Slot)
+	e.seq = seq<<slotBits | uint64(c.Slot)
 	m[key] = *e
 	sh.order = append(sh.order, orderItem{key: key, seq: e.seq})
+}
+
+// makeRoom evicts, for n keys just inserted, up to insertEvictions keys
+// each while the store is over its bound, the oldest first. The caller
+// holds no shard lock: the oldest key may be in any shard, and evictFirst
+// takes its lock.
+func (s *MemoryStore) makeRoom(n int) {
+	for range n * insertEvictions {
+		if !s.over() || !s.evictFirst() {
+			return
+		}
+	}
+}
+
+// evictFirst evicts the store's oldest key and reports whether there was
+// one. The caller holds no shard lock.
+func (s *MemoryStore) evictFirst() bool {
+	idx, _ := s.lockOldest()
+	if idx < 0 {
+		return false
+	}
+	sh := &s.shards[idx]
+	ok := sh.evictOldest(s)
+	s.publish(idx)
+	sh.mu.Unlock()
+	return ok
+}
+
+// noKeys is the oldest seq of a shard that holds no key.
+const noKeys = math.MaxUint64
+
+// evictTries is how many shards lockOldest locks at most to find the
+// store's oldest key.
+const evictTries = 4
+
+// lockOldest locks the shard that holds the store's oldest key and returns
+// its index, and the least oldest seq the other shards publish; -1 when the
+// store is empty. It reads the oldest seq each shard publishes and locks only the
+// shard with the least, so that it never holds two shard locks. A seq
+// published older than the shard's oldest key (the key was removed, or
+// another goroutine evicted it meanwhile) is corrected and the search made
+// again, up to evictTries times; after that the shard found last is taken
+// as it is.
+func (s *MemoryStore) lockOldest() (idx int, next uint64) {
+	for try := 1; ; try++ {
+		idx, next = s.oldestShard()
+		if idx < 0 {
+			return -1, noKeys
+		}
+		sh := &s.shards[idx]
+		sh.mu.Lock()
+		seq := sh.oldestSeq(s.seq.Load())
+		if (seq <= next && seq != noKeys) || try == evictTries {
+			return idx, next
+		}
+		s.oldest[idx].Store(seq)
+		sh.mu.Unlock()
+	}
+}
+
+// oldestShard returns the shard that publishes the least oldest seq, or -1
+// when every shard is empty, and the least oldest seq of the other shards.
+func (s *MemoryStore) oldestShard() (idx int, next uint64) {
+	idx, least, next := -1, uint64(noKeys), uint64(noKeys)
+	for i := range s.oldest {
+		switch seq := s.oldest[i].Load(); {
+		case seq < least:
+			idx, least, next = i, seq, least
+		case seq < next:
+			next = seq
+		}
+	}
+	return idx, next
+}
+
+// publish records the seq of shard idx's oldest key for lockOldest. The
+// caller holds the shard's lock.
+func (s *MemoryStore) publish(idx int) {
+	s.oldest[idx].Store(s.shards[idx].oldestSeq(s.seq.Load()))
+}
+
+// oldestSeq returns the insertion seq of the shard's oldest key, short or
+// long, or noKeys. cur is the store's last seq. The caller holds sh.mu.
+func (sh *memShard) oldestSeq(cur uint64) uint64 {
+	seq := uint64(noKeys)
+	if it, ok := sh.oldestLong(); ok {
+		seq = it.seq >> slotBits
+	}
+	if _, low, ok := sh.short.oldest(); ok {
+		seq = min(seq, widen(cur, low))
+	}
+	return seq
+}
+
+// widen returns the seq whose low 32 bits are low, of the 2^32 seqs up to
+// cur. The inline table keeps a seq's low 32 bits: a short key's seq is
+// exact until 2^32 keys were inserted after it, a long key's always (a
+// short key older than that passes for a newer one, and is evicted late).
+func widen(cur uint64, low uint32) uint64 {
+	return cur - uint64(uint32(cur)-low)
+}
+
+// oldestLong returns the insertion record of the shard's oldest long key,
+// dropping the stale records before it, or false when the shard holds
+// none. The caller holds sh.mu.
+func (sh *memShard) oldestLong() (orderItem, bool) {
+	for sh.head < len(sh.order) {
+		it := sh.order[sh.head]
+		if e, ok := sh.entries[it.slot()][it.key]; ok && e.seq == it.seq {
+			return it, true
+		}
+		sh.order[sh.head] = orderItem{}
+		sh.head++
+	}
+	return orderItem{}, false
 }
 
 // full reports whether the store holds its maximum of keys.
@@ -81,23 +195,10 @@ func (s *MemoryStore) purgeForRoom(t int64) {
 // evictOldest evicts the shard's oldest inserted key, short or long, and
 // reports whether there was one. The caller holds sh.mu.
 func (sh *memShard) evictOldest(s *MemoryStore) bool {
-	long := false
-	var it orderItem
-	for sh.head < len(sh.order) {
-		it = sh.order[sh.head]
-		if e, ok := sh.entries[it.slot()][it.key]; ok && e.seq == it.seq {
-			long = true
-			break
-		}
-		sh.order[sh.head] = orderItem{}
-		sh.head++
-	}
+	it, long := sh.oldestLong()
 	at, seq, short := sh.short.oldest()
 	switch {
-	// The older is the one inserted more inserts ago. The inline table
-	// keeps a seq's low 32 bits: a short key's age is exact while under
-	// 2^32 inserts of its shard, a long key's always.
-	case short && (!long || uint64(uint32(sh.seq)-seq) > sh.seq-it.seq>>slotBits):
+	case short && (!long || widen(s.seq.Load(), seq) < it.seq>>slotBits):
 		sh.short.remove(at)
 	case long:
 		sh.order[sh.head] = orderItem{}
@@ -120,9 +221,9 @@ const trimSlice = 128
 // Trim brings a store above its bound (SetMaxTracked lowered it) down to
 // it, off the request path: it purges the windows expired at now (unless a
 // purge ran less than a second ago), then evicts the excess in slices of at
-// most trimSlice keys, each under one shard's lock, the oldest keys of each
-// shard first, until the store is within its bound or ctx is done. It
-// returns how many live keys it evicted.
+// most trimSlice keys, each under one shard's lock, the store's oldest keys
+// first, until the store is within its bound or ctx is done. It returns how
+// many live keys it evicted.
 func (s *MemoryStore) Trim(ctx context.Context, now time.Time) int {
 	if !s.over() {
 		return 0
@@ -136,90 +237,42 @@ func (s *MemoryStore) Trim(ctx context.Context, now time.Time) int {
 		}
 		total += n
 	}
+	if total > 0 {
+		// The tables, sized for the keys they had, are rebuilt for the
+		// keys they kept. Rebuilt on the way down, they would be rebuilt
+		// at sizes that are soon too large, each time under the lock.
+		for i := range s.shards {
+			sh := &s.shards[i]
+			sh.mu.Lock()
+			sh.short.tidy()
+			sh.mu.Unlock()
+		}
+	}
 	return total
 }
 
 // trimSome evicts one slice of the excess over the bound and returns how
 // many keys it evicted: 0 when the store is within its bound (or empty).
-// The slice comes from the shard holding the most keys, down towards the
-// level at which the shards hold the bound between them: each shard keeps
-// its newest keys, and about as many as the others, since the hash spreads
-// new keys evenly. Without an order across shards, that is as near to the
-// oldest keys of the store going first as FIFO kept per shard comes.
+// The slice is the store's oldest keys that one shard holds: its keys
+// older than every other shard's oldest, at least one.
 func (s *MemoryStore) trimSome() int {
 	excess := s.tracked.Load() - s.maxTracked.Load()
 	if excess <= 0 {
 		return 0
 	}
-	var sizes [numShards]int
-	largest := 0
-	for i := range s.shards {
-		sh := &s.shards[i]
-		sh.mu.Lock()
-		sizes[i] = sh.size()
-		sh.mu.Unlock()
-		if sizes[i] > sizes[largest] {
-			largest = i
-		}
+	idx, next := s.lockOldest()
+	if idx < 0 {
+		return 0
 	}
-	level := waterLevel(sizes, int(s.maxTracked.Load()))
-	sh := &s.shards[largest]
-	sh.mu.Lock()
+	sh := &s.shards[idx]
 	defer sh.mu.Unlock()
-	slice := min(int64(max(sh.size()-level, 1)), excess, trimSlice)
+	slice := min(excess, trimSlice)
 	n := 0
-	for ; int64(n) < slice && sh.evictOldest(s); n++ {
+	for int64(n) < slice && (n == 0 || sh.oldestSeq(s.seq.Load()) < next) && sh.evictOldest(s) {
+		n++
 	}
-	if n > 0 && (sh.size() <= level || !s.over()) {
-		// The shard is trimmed: its table, sized for the keys it had, is
-		// rebuilt for the keys it kept. Rebuilt on the way down, it would
-		// be rebuilt at sizes that are soon too large, each time under
-		// the lock.
-		sh.short.tidy()
-	}
+	s.publish(idx)
 	return n
-}
-
-// waterLevel returns the size to which cutting every larger shard leaves
-// the shards holding bound keys between them, give or take one per shard.
-func waterLevel(sizes [numShards]int, bound int) int {
-	slices.Sort(sizes[:])
-	rest := bound
-	for i, n := range sizes {
-		left := len(sizes) - i
-		if level := (rest + left - 1) / left; n > level {
-			return level
-		}
-		rest -= n
-	}
-	return sizes[len(sizes)-1]
-}
-
-// size returns how many keys the shard tracks. The caller holds sh.mu.
-func (sh *memShard) size() int {
-	n := sh.short.live
-	for _, m := range sh.entries {
-		n += len(m)
-	}
-	return n
-}
-
-// evictElsewhere evicts the oldest key of another shard, for a new key whose
-// own shard is empty. The caller holds shard idx's lock, so it only tries the
-// other locks: waiting on one could deadlock with a goroutine doing the same.
-func (s *MemoryStore) evictElsewhere(idx uint64) bool {
-	for j := uint64(1); j <= s.mask; j++ {
-		o := &s.shards[(idx+j)&s.mask]
-		if !o.mu.TryLock() {
-			continue
-		}
-		ok := o.evictOldest(s)
-		o.mu.Unlock()
-		if ok {
-			return true
-		}
-	}
-	return false
 }
 
 // compact drops consumed and stale insertion records once they outnumber the

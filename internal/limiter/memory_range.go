@@ -94,6 +94,7 @@ func (s *MemoryStore) ForgetCheck(_ context.Context, c Check) (bool, error) {
 	if ok {
 		sh.remove(at, c.Slot, c.Key)
 		s.tracked.Add(-1)
+		s.publish(int(h & s.mask))
 	}
 	if _, banned := sh.bans[c.Slot][c.Key]; banned {
 		delete(sh.bans[c.Slot], c.Key)

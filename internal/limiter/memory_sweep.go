@@ -42,6 +42,7 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 		n := sh.purge(t)
 		sh.purgeBans(s, t, false)
 		sh.compact()
+		s.publish(i)
 		sh.mu.Unlock()
 		s.tracked.Add(-int64(n))
 		total += n
