@@ -40,9 +40,8 @@ type MemoryStore struct {
 
 	// oldest is the seq of each shard's oldest key (noKeys for none), so
 	// that eviction finds the store's oldest key without locking every
-	// shard. It is written under the shard's lock; a key removed other
-	// than by eviction may leave it older than the shard's oldest key,
-	// never newer (lockOldest corrects it).
+	// shard. It is written under the shard's lock, by an insert into an
+	// empty shard and after every removal (publish).
 	oldest [numShards]atomic.Uint64
 
 	namesMu sync.Mutex

@@ -91,33 +91,33 @@ const evictTries = 4
 
 // lockOldest locks the shard that holds the store's oldest key and returns
 // its index, and the least oldest seq the other shards publish; -1 when the
-// store is empty. It reads the oldest seq each shard publishes and locks only the
-// shard with the least, so that it never holds two shard locks. A seq
-// published older than the shard's oldest key (the key was removed, or
-// another goroutine evicted it meanwhile) is corrected and the search made
-// again, up to evictTries times; after that the shard found last is taken
-// as it is.
+// store is empty. It reads the oldest seq each shard publishes and locks
+// only the shard with the least, so that it never holds two shard locks.
+// When that seq has changed by the time it holds the lock (another
+// goroutine evicted or removed the key meanwhile), it searches again, up to
+// evictTries times; after that the shard found last is taken as it is.
 func (s *MemoryStore) lockOldest() (idx int, next uint64) {
 	for try := 1; ; try++ {
-		idx, next = s.oldestShard()
+		var least uint64
+		idx, least, next = s.oldestShard()
 		if idx < 0 {
 			return -1, noKeys
 		}
 		sh := &s.shards[idx]
 		sh.mu.Lock()
-		seq := sh.oldestSeq(s.seq.Load())
-		if (seq <= next && seq != noKeys) || try == evictTries {
+		// Seqs are never reused: the same seq is the same oldest key.
+		if s.oldest[idx].Load() == least || try == evictTries {
 			return idx, next
 		}
-		s.oldest[idx].Store(seq)
 		sh.mu.Unlock()
 	}
 }
 
-// oldestShard returns the shard that publishes the least oldest seq, or -1
-// when every shard is empty, and the least oldest seq of the other shards.
-func (s *MemoryStore) oldestShard() (idx int, next uint64) {
-	idx, least, next := -1, uint64(noKeys), uint64(noKeys)
+// oldestShard returns the shard that publishes the least oldest seq and
+// that seq, or -1 when every shard is empty, and the least oldest seq of
+// the other shards.
+func (s *MemoryStore) oldestShard() (idx int, least, next uint64) {
+	idx, least, next = -1, noKeys, noKeys
 	for i := range s.oldest {
 		switch seq := s.oldest[i].Load(); {
 		case seq < least:
@@ -126,7 +126,7 @@ func (s *MemoryStore) oldestShard() (idx int, next uint64) {
 			next = seq
 		}
 	}
-	return idx, next
+	return idx, least, next
 }
 
 // publish records the seq of shard idx's oldest key for lockOldest. The
