@@ -13,8 +13,7 @@
 -- calls: an admitted request in a running window turns two arguments into
 -- numbers (max and window; the cutoff only when it is needed), passes the
 -- cost and the window to Redis as the strings they came as, and makes no
--- closure. That took 12-19% off its time per call against a version that
--- converted all four and defined a function (bench/scriptcost.sh).
+-- closure: each conversion and closure is work Redis does per decision.
 
 local c, r = KEYS[1], KEYS[2]
 local max, window, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[4]
