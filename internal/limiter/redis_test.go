@@ -70,15 +70,44 @@ func listening(t testing.TB, s *RedisStore, client redis.UniversalClient) {
 	t.Fatal("the store never heard its unblock channel")
 }
 
+// waitUntil polls cond every 10ms until it holds and returns when it was
+// seen to; it fails the test, naming what it waited for, when cond still
+// fails after by. It sleeps with srv.Sleep, so that a miniredis's keys
+// expire as the test waits. The clock is read before cond runs, so a test
+// stalled past by still gets a look at the state.
+func waitUntil(t testing.TB, srv *redistest.Server, by time.Time, what string, cond func() bool) time.Time {
+	t.Helper()
+	for {
+		late := time.Now().After(by)
+		if cond() {
+			return time.Now()
+		}
+		if late {
+			t.Fatalf("%s: not yet %s after the deadline", what, time.Since(by).Round(time.Millisecond))
+		}
+		srv.Sleep(10 * time.Millisecond)
+	}
+}
+
+// gone reports whether none of keys exists in Redis.
+func gone(ctx context.Context, client redis.UniversalClient, keys ...string) func() bool {
+	return func() bool {
+		n, err := client.Exists(ctx, keys...).Result()
+		return err == nil && n == 0
+	}
+}
+
 // The Redis store reaches the same verdicts as the memory store: max
 // admitted counting down, refusals not counted, FirstRefusal once, a fresh
-// window after the reset, and no key outliving its window.
+// window after the reset, and no key outliving its window. The window is
+// 600ms, so that the test waits it out in well under a second.
 func TestRedisStoreVerdicts(t *testing.T) {
 	srv := redistest.Start(t)
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
 	listening(t, s, client)
 	ctx := context.Background()
-	lim := Limit{Window: 2 * time.Second, Max: 3}
+	const window = 600 * time.Millisecond
+	lim := Limit{Window: window, Max: 3}
 	now := time.Now()
 	for i := 1; i <= 3; i++ {
 		v, err := s.Hit(ctx, "10.0.0.1", now, lim)
@@ -88,12 +117,12 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		if !v.Allowed || v.Remaining != 3-i || v.Max != 3 || v.StoreError {
 			t.Fatalf("hit %d: %+v, want allowed with %d remaining", i, v, 3-i)
 		}
-		if d := v.Reset.Sub(now); d <= time.Second || d > 2*time.Second {
-			t.Fatalf("hit %d: reset in %s, want about 2s", i, d)
+		if d := v.Reset.Sub(now); d <= window/2 || d > window {
+			t.Fatalf("hit %d: reset in %s, want about %s", i, d, window)
 		}
 	}
 	v, err := s.Hit(ctx, "10.0.0.1", now, lim)
-	if err != nil || v.Allowed || !v.FirstRefusal || v.Remaining != 0 || v.RetryAfter <= 0 || v.RetryAfter > 2*time.Second {
+	if err != nil || v.Allowed || !v.FirstRefusal || v.Remaining != 0 || v.RetryAfter <= 0 || v.RetryAfter > window {
 		t.Fatalf("4th hit: %+v, %v; want the first refusal with a retry-after", v, err)
 	}
 	v, _ = s.Hit(ctx, "10.0.0.1", now, lim)
@@ -114,8 +143,8 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		t.Errorf("refused tally in redis = %d, want 2 (one by the script, one from the cache)", n)
 	}
 	for _, k := range []string{base + "c", base + "r"} {
-		if ttl := client.PTTL(ctx, k).Val(); ttl <= 0 || ttl > 2*time.Second {
-			t.Errorf("PTTL %s = %s, want within the 2s window", k, ttl)
+		if ttl := client.PTTL(ctx, k).Val(); ttl <= 0 || ttl > window {
+			t.Errorf("PTTL %s = %s, want within the %s window", k, ttl, window)
 		}
 	}
 	// Another key is untouched.
@@ -123,10 +152,8 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		t.Errorf("other key: %+v, want allowed with 2 remaining", v)
 	}
 
-	srv.Sleep(2100 * time.Millisecond)
-	if n := client.Exists(ctx, base+"c", base+"r").Val(); n != 0 {
-		t.Errorf("%d keys outlived their window", n)
-	}
+	// The window began after now: a third of it on, its keys are gone.
+	waitUntil(t, srv, now.Add(window+window/3), "the keys outlived their window", gone(ctx, client, base+"c", base+"r"))
 	v, err = s.Hit(ctx, "10.0.0.1", time.Now(), lim)
 	if err != nil || !v.Allowed || v.Remaining != 2 {
 		t.Fatalf("after the reset: %+v, %v; want a fresh window", v, err)
