@@ -207,15 +207,18 @@ func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 		t.Fatalf("same window 3s on: %+v, want a refusal for about an hour", v)
 	}
 
-	short := Limit{Window: 2 * time.Second, Max: 1}
+	const window = 400 * time.Millisecond
+	short := Limit{Window: window, Max: 1}
+	cut := time.Now()
 	v, err := s.Hit(ctx, "k", now.Add(3*time.Second), short)
-	if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
-		t.Fatalf("window shortened to 2s: %+v, %v; want a refusal by redis within the 2s window", v, err)
+	if err != nil || v.Allowed || v.StoreError || v.RetryAfter > window {
+		t.Fatalf("window shortened to %s: %+v, %v; want a refusal by redis within the window", window, v, err)
 	}
-	srv.Sleep(2100 * time.Millisecond)
+	base := s.base("", "k")
+	waitUntil(t, srv, cut.Add(window+window/3), "the key outlived the shortened window", gone(ctx, client, base+"c"))
 	v, err = s.Hit(ctx, "k", now.Add(6*time.Second), short)
 	if err != nil || !v.Allowed {
-		t.Fatalf("2s window over: %+v, %v; want the key admitted", v, err)
+		t.Fatalf("%s window over: %+v, %v; want the key admitted", window, v, err)
 	}
 }
 
@@ -232,18 +235,22 @@ func TestRedisStoreWindowShortenedSince(t *testing.T) {
 	for range 3 {
 		s.Hit(ctx, "k", now, long)
 	}
-	short := Limit{Window: 2 * time.Second, Max: 2, Since: now}
-	srv.Sleep(time.Second) // the key's first request after the reload comes late
+	const window = 600 * time.Millisecond
+	short := Limit{Window: window, Max: 2, Since: now}
+	// The key's first request after the reload comes half a window late:
+	// a window counted from it would end half a window after the reload's.
+	srv.Sleep(window / 2)
 	for range 3 {
 		v, err := s.Hit(ctx, "k", time.Now(), short)
-		if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
-			t.Fatalf("after the reload: %+v, %v; want refused by redis within 2s", v, err)
+		if err != nil || v.Allowed || v.StoreError || v.RetryAfter > window {
+			t.Fatalf("after the reload: %+v, %v; want refused by redis within %s", v, err, window)
 		}
 	}
-	srv.Sleep(time.Until(now.Add(2100 * time.Millisecond)))
+	base := s.base("", "k")
+	waitUntil(t, srv, now.Add(window+window/4), "the window did not end a window after the reload", gone(ctx, client, base+"c"))
 	v, err := s.Hit(ctx, "k", time.Now(), short)
 	if err != nil || !v.Allowed || v.Remaining != 1 {
-		t.Fatalf("2s after the reload: %+v, %v; want a fresh window", v, err)
+		t.Fatalf("%s after the reload: %+v, %v; want a fresh window", window, v, err)
 	}
 	var got []KeyState
 	s.Range(ctx, time.Now(), func(ks KeyState) bool { got = append(got, ks); return true })
