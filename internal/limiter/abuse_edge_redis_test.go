@@ -27,7 +27,7 @@ func TestEdgeRedisSlidingBanListing(t *testing.T) {
 	// or less to live: the listing's case of a count key whose window has
 	// ended (a window later the key is gone and the ban key is listed).
 	count := s.base("", c.Key) + "c"
-	waitUntil(t, srv, start.Add(window+window/2), "the window did not end", func() bool {
+	waitUntil(t, srv, start.Add(window), start.Add(window+window/2), "the window did not end", func() bool {
 		ttl, err := client.PTTL(context.Background(), count).Result()
 		return err == nil && ttl <= window
 	})
@@ -64,7 +64,7 @@ func TestEdgeRedisGCRARefundOverCredit(t *testing.T) {
 	}
 	// A's unit has dripped back once the bucket's key is gone: it
 	// expires when the bucket is full again.
-	waitUntil(t, srv, t0.Add(2*interval), "A's unit did not drip back", gone(context.Background(), client, s.base("", c.Key)+"c"))
+	waitUntil(t, srv, t0.Add(interval), t0.Add(2*interval), "A's unit did not drip back", gone(context.Background(), client, s.base("", c.Key)+"c"))
 	d := time.Now()
 	if _, ok := decide(t, s, time.Now(), c); !ok {
 		t.Fatal("D refused")
@@ -97,7 +97,7 @@ func TestEdgeRedisCostlyRefusalNotCached(t *testing.T) {
 	// One unit has dripped back once the bucket's key, which expires
 	// when the bucket is full again, has 9 units or less to live.
 	bucket := s.base("", c.Key) + "c"
-	waitUntil(t, srv, t0.Add(2*interval), "no unit dripped back", func() bool {
+	waitUntil(t, srv, t0.Add(interval), t0.Add(2*interval), "no unit dripped back", func() bool {
 		ttl, err := client.PTTL(context.Background(), bucket).Result()
 		return err == nil && ttl <= 9*interval
 	})

@@ -342,7 +342,7 @@ func TestRedisSlidingWindow(t *testing.T) {
 	// The window has ended once the count key has a window or less to
 	// live (redis.lua).
 	count := s.base("", "k") + "c"
-	waitUntil(t, srv, start.Add(window+window/2), "the first window did not end", func() bool {
+	waitUntil(t, srv, start.Add(window), start.Add(window+window/2), "the first window did not end", func() bool {
 		ttl, err := client.PTTL(bg, count).Result()
 		return err == nil && ttl <= window
 	})

@@ -70,17 +70,20 @@ func listening(t testing.TB, s *RedisStore, client redis.UniversalClient) {
 	t.Fatal("the store never heard its unblock channel")
 }
 
-// waitUntil polls cond every 10ms until it holds and returns when it was
-// seen to; it fails the test, naming what it waited for, when cond still
-// fails after by. It sleeps with srv.Sleep, so that a miniredis's keys
-// expire as the test waits. The clock is read before cond runs, so a test
-// stalled past by still gets a look at the state.
-func waitUntil(t testing.TB, srv *redistest.Server, by time.Time, what string, cond func() bool) time.Time {
+// waitUntil sleeps until from, the earliest cond can hold, then polls cond
+// every 10ms until it holds; it fails the test, naming what it waited for,
+// when cond still fails after by. It sleeps with srv.Sleep, so that a
+// miniredis's keys expire as the test waits; the one sleep to from keeps
+// the miniredis's clock from falling behind by a little at every poll. The
+// clock is read before cond runs, so a test stalled past by still gets a
+// look at the state.
+func waitUntil(t testing.TB, srv *redistest.Server, from, by time.Time, what string, cond func() bool) {
 	t.Helper()
+	srv.Sleep(time.Until(from))
 	for {
 		late := time.Now().After(by)
 		if cond() {
-			return time.Now()
+			return
 		}
 		if late {
 			t.Fatalf("%s: not yet %s after the deadline", what, time.Since(by).Round(time.Millisecond))
@@ -153,7 +156,7 @@ func TestRedisStoreVerdicts(t *testing.T) {
 	}
 
 	// The window began after now: a third of it on, its keys are gone.
-	waitUntil(t, srv, now.Add(window+window/3), "the keys outlived their window", gone(ctx, client, base+"c", base+"r"))
+	waitUntil(t, srv, now.Add(window), now.Add(window+window/3), "the keys outlived their window", gone(ctx, client, base+"c", base+"r"))
 	v, err = s.Hit(ctx, "10.0.0.1", time.Now(), lim)
 	if err != nil || !v.Allowed || v.Remaining != 2 {
 		t.Fatalf("after the reset: %+v, %v; want a fresh window", v, err)
@@ -215,7 +218,7 @@ func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 		t.Fatalf("window shortened to %s: %+v, %v; want a refusal by redis within the window", window, v, err)
 	}
 	base := s.base("", "k")
-	waitUntil(t, srv, cut.Add(window+window/3), "the key outlived the shortened window", gone(ctx, client, base+"c"))
+	waitUntil(t, srv, cut.Add(window), cut.Add(window+window/3), "the key outlived the shortened window", gone(ctx, client, base+"c"))
 	v, err = s.Hit(ctx, "k", now.Add(6*time.Second), short)
 	if err != nil || !v.Allowed {
 		t.Fatalf("%s window over: %+v, %v; want the key admitted", window, v, err)
@@ -247,7 +250,7 @@ func TestRedisStoreWindowShortenedSince(t *testing.T) {
 		}
 	}
 	base := s.base("", "k")
-	waitUntil(t, srv, now.Add(window+window/4), "the window did not end a window after the reload", gone(ctx, client, base+"c"))
+	waitUntil(t, srv, now.Add(window), now.Add(window+window/4), "the window did not end a window after the reload", gone(ctx, client, base+"c"))
 	v, err := s.Hit(ctx, "k", time.Now(), short)
 	if err != nil || !v.Allowed || v.Remaining != 1 {
 		t.Fatalf("%s after the reload: %+v, %v; want a fresh window", window, v, err)
