@@ -317,10 +317,12 @@ func BenchmarkMemoryDecide(b *testing.B) {
 // The Redis sliding window carries the last window's count into the next,
 // as the memory one does: max just before the edge refuses just after it,
 // and the weight fades until a request fits again, when the refusal said.
+// The window is 600ms: the test takes about a window and a half.
 func TestRedisSlidingWindow(t *testing.T) {
 	srv := redistest.Start(t)
-	s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
-	lim := Limit{Window: 2 * time.Second, Max: 3, Sliding: true}
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	const window = 600 * time.Millisecond
+	lim := Limit{Window: window, Max: 3, Sliding: true}
 	s.SetLimits([]Check{{Limit: lim}})
 	start := time.Now()
 	for i := range 3 {
@@ -334,13 +336,19 @@ func TestRedisSlidingWindow(t *testing.T) {
 	// Listed with its window's end, not the key's (a window later).
 	var states []KeyState
 	s.Range(bg, time.Now(), func(ks KeyState) bool { states = append(states, ks); return true })
-	if len(states) != 1 || time.Until(states[0].Reset) > 2*time.Second || states[0].Count != 3 {
-		t.Fatalf("listing = %+v, want k with 3 in a window ending within 2s", states)
+	if len(states) != 1 || time.Until(states[0].Reset) > window || states[0].Count != 3 {
+		t.Fatalf("listing = %+v, want k with 3 in a window ending within %s", states, window)
 	}
-	srv.Sleep(time.Until(start.Add(2300 * time.Millisecond)))
-	// 0.3 s into the next window the previous 3 weigh about 2.55: full.
+	// The window has ended once the count key has a window or less to
+	// live (redis.lua).
+	count := s.base("", "k") + "c"
+	waitUntil(t, srv, start.Add(window), start.Add(window+window/2), "the first window did not end", func() bool {
+		ttl, err := client.PTTL(bg, count).Result()
+		return err == nil && ttl <= window
+	})
+	// Just into the next window the previous 3 weigh nearly 3: full.
 	v, err := s.Hit(bg, "k", time.Now(), lim)
-	if err != nil || v.Allowed || v.RetryAfter <= 0 || v.RetryAfter > 2*time.Second {
+	if err != nil || v.Allowed || v.RetryAfter <= 0 || v.RetryAfter > window {
 		t.Fatalf("just after the edge: %+v, %v; want refused with a wait under a window", v, err)
 	}
 	srv.Sleep(time.Until(time.Now().Add(v.RetryAfter + 50*time.Millisecond)))

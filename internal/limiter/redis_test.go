@@ -70,15 +70,47 @@ func listening(t testing.TB, s *RedisStore, client redis.UniversalClient) {
 	t.Fatal("the store never heard its unblock channel")
 }
 
+// waitUntil sleeps until from, the earliest cond can hold, then polls cond
+// every 10ms until it holds; it fails the test, naming what it waited for,
+// when cond still fails after by. It sleeps with srv.Sleep, so that a
+// miniredis's keys expire as the test waits; the one sleep to from keeps
+// the miniredis's clock from falling behind by a little at every poll. The
+// clock is read before cond runs, so a test stalled past by still gets a
+// look at the state.
+func waitUntil(t testing.TB, srv *redistest.Server, from, by time.Time, what string, cond func() bool) {
+	t.Helper()
+	srv.Sleep(time.Until(from))
+	for {
+		late := time.Now().After(by)
+		if cond() {
+			return
+		}
+		if late {
+			t.Fatalf("%s: not yet %s after the deadline", what, time.Since(by).Round(time.Millisecond))
+		}
+		srv.Sleep(10 * time.Millisecond)
+	}
+}
+
+// gone reports whether none of keys exists in Redis.
+func gone(ctx context.Context, client redis.UniversalClient, keys ...string) func() bool {
+	return func() bool {
+		n, err := client.Exists(ctx, keys...).Result()
+		return err == nil && n == 0
+	}
+}
+
 // The Redis store reaches the same verdicts as the memory store: max
 // admitted counting down, refusals not counted, FirstRefusal once, a fresh
-// window after the reset, and no key outliving its window.
+// window after the reset, and no key outliving its window. The window is
+// 600ms, so that the test waits it out in well under a second.
 func TestRedisStoreVerdicts(t *testing.T) {
 	srv := redistest.Start(t)
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
 	listening(t, s, client)
 	ctx := context.Background()
-	lim := Limit{Window: 2 * time.Second, Max: 3}
+	const window = 600 * time.Millisecond
+	lim := Limit{Window: window, Max: 3}
 	now := time.Now()
 	for i := 1; i <= 3; i++ {
 		v, err := s.Hit(ctx, "10.0.0.1", now, lim)
@@ -88,12 +120,12 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		if !v.Allowed || v.Remaining != 3-i || v.Max != 3 || v.StoreError {
 			t.Fatalf("hit %d: %+v, want allowed with %d remaining", i, v, 3-i)
 		}
-		if d := v.Reset.Sub(now); d <= time.Second || d > 2*time.Second {
-			t.Fatalf("hit %d: reset in %s, want about 2s", i, d)
+		if d := v.Reset.Sub(now); d <= window/2 || d > window {
+			t.Fatalf("hit %d: reset in %s, want about %s", i, d, window)
 		}
 	}
 	v, err := s.Hit(ctx, "10.0.0.1", now, lim)
-	if err != nil || v.Allowed || !v.FirstRefusal || v.Remaining != 0 || v.RetryAfter <= 0 || v.RetryAfter > 2*time.Second {
+	if err != nil || v.Allowed || !v.FirstRefusal || v.Remaining != 0 || v.RetryAfter <= 0 || v.RetryAfter > window {
 		t.Fatalf("4th hit: %+v, %v; want the first refusal with a retry-after", v, err)
 	}
 	v, _ = s.Hit(ctx, "10.0.0.1", now, lim)
@@ -114,8 +146,8 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		t.Errorf("refused tally in redis = %d, want 2 (one by the script, one from the cache)", n)
 	}
 	for _, k := range []string{base + "c", base + "r"} {
-		if ttl := client.PTTL(ctx, k).Val(); ttl <= 0 || ttl > 2*time.Second {
-			t.Errorf("PTTL %s = %s, want within the 2s window", k, ttl)
+		if ttl := client.PTTL(ctx, k).Val(); ttl <= 0 || ttl > window {
+			t.Errorf("PTTL %s = %s, want within the %s window", k, ttl, window)
 		}
 	}
 	// Another key is untouched.
@@ -123,10 +155,8 @@ func TestRedisStoreVerdicts(t *testing.T) {
 		t.Errorf("other key: %+v, want allowed with 2 remaining", v)
 	}
 
-	srv.Sleep(2100 * time.Millisecond)
-	if n := client.Exists(ctx, base+"c", base+"r").Val(); n != 0 {
-		t.Errorf("%d keys outlived their window", n)
-	}
+	// The window began after now: a third of it on, its keys are gone.
+	waitUntil(t, srv, now.Add(window), now.Add(window+window/3), "the keys outlived their window", gone(ctx, client, base+"c", base+"r"))
 	v, err = s.Hit(ctx, "10.0.0.1", time.Now(), lim)
 	if err != nil || !v.Allowed || v.Remaining != 2 {
 		t.Fatalf("after the reset: %+v, %v; want a fresh window", v, err)
@@ -180,15 +210,18 @@ func TestRedisStoreRefusedCacheShorterWindow(t *testing.T) {
 		t.Fatalf("same window 3s on: %+v, want a refusal for about an hour", v)
 	}
 
-	short := Limit{Window: 2 * time.Second, Max: 1}
+	const window = 400 * time.Millisecond
+	short := Limit{Window: window, Max: 1}
+	cut := time.Now()
 	v, err := s.Hit(ctx, "k", now.Add(3*time.Second), short)
-	if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
-		t.Fatalf("window shortened to 2s: %+v, %v; want a refusal by redis within the 2s window", v, err)
+	if err != nil || v.Allowed || v.StoreError || v.RetryAfter > window {
+		t.Fatalf("window shortened to %s: %+v, %v; want a refusal by redis within the window", window, v, err)
 	}
-	srv.Sleep(2100 * time.Millisecond)
+	base := s.base("", "k")
+	waitUntil(t, srv, cut.Add(window), cut.Add(window+window/3), "the key outlived the shortened window", gone(ctx, client, base+"c"))
 	v, err = s.Hit(ctx, "k", now.Add(6*time.Second), short)
 	if err != nil || !v.Allowed {
-		t.Fatalf("2s window over: %+v, %v; want the key admitted", v, err)
+		t.Fatalf("%s window over: %+v, %v; want the key admitted", window, v, err)
 	}
 }
 
@@ -205,18 +238,22 @@ func TestRedisStoreWindowShortenedSince(t *testing.T) {
 	for range 3 {
 		s.Hit(ctx, "k", now, long)
 	}
-	short := Limit{Window: 2 * time.Second, Max: 2, Since: now}
-	srv.Sleep(time.Second) // the key's first request after the reload comes late
+	const window = 600 * time.Millisecond
+	short := Limit{Window: window, Max: 2, Since: now}
+	// The key's first request after the reload comes half a window late:
+	// a window counted from it would end half a window after the reload's.
+	srv.Sleep(window / 2)
 	for range 3 {
 		v, err := s.Hit(ctx, "k", time.Now(), short)
-		if err != nil || v.Allowed || v.StoreError || v.RetryAfter > 2*time.Second {
-			t.Fatalf("after the reload: %+v, %v; want refused by redis within 2s", v, err)
+		if err != nil || v.Allowed || v.StoreError || v.RetryAfter > window {
+			t.Fatalf("after the reload: %+v, %v; want refused by redis within %s", v, err, window)
 		}
 	}
-	srv.Sleep(time.Until(now.Add(2100 * time.Millisecond)))
+	base := s.base("", "k")
+	waitUntil(t, srv, now.Add(window), now.Add(window+window/4), "the window did not end a window after the reload", gone(ctx, client, base+"c"))
 	v, err := s.Hit(ctx, "k", time.Now(), short)
 	if err != nil || !v.Allowed || v.Remaining != 1 {
-		t.Fatalf("2s after the reload: %+v, %v; want a fresh window", v, err)
+		t.Fatalf("%s after the reload: %+v, %v; want a fresh window", window, v, err)
 	}
 	var got []KeyState
 	s.Range(ctx, time.Now(), func(ks KeyState) bool { got = append(got, ks); return true })
