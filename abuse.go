@@ -127,7 +127,7 @@ func counts(ranges []statusRange, status int) bool {
 }
 
 // AbuseControls turn a limit into a brute-force defence. On the handler
-// they apply to every limit; on a limit (LimitConfig) they replace the
+// they apply to every limit; on a limit (PolicyConfig) they replace the
 // handler's, each where it is set.
 type AbuseControls struct {
 	// CountStatus, when set, makes only responses with these statuses

@@ -196,7 +196,7 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 	if len(args) != 3 {
 		return d.Errf("limit takes a name, a max and a window (limit burst 20 1s), got %d arguments", len(args))
 	}
-	l := LimitConfig{Name: args[0]}
+	l := PolicyConfig{Name: args[0]}
 	var err error
 	if l.Max, err = parseInt(d, "limit "+args[0]+" max", args[1], 1); err != nil {
 		return err

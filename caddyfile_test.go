@@ -75,7 +75,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				key {http.request.header.X-Tenant}
 				ban off
 			}
-		}`, RateLimit{AbuseControls: AbuseControls{Ban: caddy.Duration(10 * time.Minute)}, Limits: []LimitConfig{{
+		}`, RateLimit{AbuseControls: AbuseControls{Ban: caddy.Duration(10 * time.Minute)}, Limits: []PolicyConfig{{
 			Name: "tenant", Max: 20, Window: caddy.Duration(10 * time.Second), Key: "{http.request.header.X-Tenant}", BanOff: true,
 		}}}},
 	} {

@@ -175,7 +175,7 @@ type RateLimit struct {
 	// admitted only when every limit admits it; a refused request is
 	// counted in none of them (each refusing limit tallies the refusal).
 	// At most 7. Default: none.
-	Limits []LimitConfig `json:"limits,omitempty"`
+	Limits []PolicyConfig `json:"limits,omitempty"`
 
 	// Algorithm is how every limit of the handler counts its window:
 	// "fixed" windows (up to 2 x max can pass across a window edge) or

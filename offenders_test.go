@@ -126,7 +126,7 @@ func TestOffendersOutliveTheirWindow(t *testing.T) {
 	t.Parallel()
 	const zoneName = "offenders-outlive"
 	rl, _ := provisionHandler(t, zoneName, 5, true, func(rl *RateLimit) {
-		rl.Limits = []LimitConfig{{Name: "burst", Max: 2, Window: caddy.Duration(time.Second)}}
+		rl.Limits = []PolicyConfig{{Name: "burst", Max: 2, Window: caddy.Duration(time.Second)}}
 	})
 	refusals := 0
 	for range 30 {

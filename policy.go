@@ -27,10 +27,12 @@ const (
 	AlgorithmSliding = "sliding" // sliding-window counter: at most about max in any window
 )
 
-// LimitConfig is one of a handler's limits past its first (which Window, Max
-// and Key define). A request is admitted only when every limit of the
-// handler admits it, and a refused request is counted in none of them.
-type LimitConfig struct {
+// PolicyConfig is one of a handler's policies (named rules, declared by
+// "limit <name> <max> <window>" in the Caddyfile) past its first, which
+// Window, Max and Key define. A request is admitted only when every policy
+// of the handler admits it, and a refused request is counted in none of
+// them.
+type PolicyConfig struct {
 	// Name names the limit in headers, the admin API, metrics and logs:
 	// letters, digits, _ and -, at most 32, unique in the handler and other
 	// than the zone's name (the name of the first limit).
@@ -181,8 +183,8 @@ func (p *policy) resolve(repl *caddy.Replacer, h http.Header, ipKey string) (str
 		if p.header != "" {
 			// As Caddy's HTTP placeholders resolve it (the values
 			// joined with commas), without asking each of the
-			// replacer's providers and boxing the value: 1,558
-			// instructions and 2 allocations less (bench/instructions.sh).
+			// replacer's providers and boxing the value, which cost two
+			// allocations a request.
 			// A value set with the replacer's Set under the header's
 			// placeholder name, which no Caddy module does, is not read.
 			k = strings.Join(h[p.header], ",")
@@ -281,7 +283,7 @@ func (rl *RateLimit) bans() bool {
 
 // abuse returns the limit's abuse controls over the handler's (base): its
 // own where it sets them, and no ban with BanOff.
-func (l LimitConfig) abuse(base AbuseControls) AbuseControls {
+func (l PolicyConfig) abuse(base AbuseControls) AbuseControls {
 	a := l.AbuseControls.over(base)
 	if l.BanOff {
 		a.Ban, a.BanMax = 0, 0

@@ -62,7 +62,7 @@ func TestExemptMappedRanges(t *testing.T) {
 // request through uncounted.
 func TestKeylessLimitDoesNotShortCircuit(t *testing.T) {
 	t.Parallel()
-	rl := provisionPolicies(t, &RateLimit{Zone: "keyless", Limits: []LimitConfig{
+	rl := provisionPolicies(t, &RateLimit{Zone: "keyless", Limits: []PolicyConfig{
 		{Name: "user", Max: 5, Window: caddy.Duration(time.Minute), Key: "{http.request.header.X-User}", Missing: MissingReject},
 	}})
 	if got := serve(t, rl, ""); got != http.StatusBadRequest {
@@ -77,10 +77,10 @@ func TestKeylessLimitDoesNotShortCircuit(t *testing.T) {
 // memory slots during a reload never share a slot.
 func TestSlotsDuringReload(t *testing.T) {
 	t.Parallel()
-	limits := func(names ...string) []LimitConfig {
-		var out []LimitConfig
+	limits := func(names ...string) []PolicyConfig {
+		var out []PolicyConfig
 		for _, n := range names {
-			out = append(out, LimitConfig{Name: n, Max: 5, Window: caddy.Duration(time.Minute)})
+			out = append(out, PolicyConfig{Name: n, Max: 5, Window: caddy.Duration(time.Minute)})
 		}
 		return out
 	}

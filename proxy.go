@@ -146,9 +146,8 @@ func (rl *RateLimit) watchProxy(ctx caddy.Context) {
 // fromPeer reports whether client IP ip is the address of the peer, whose
 // address and port are remoteAddr: then the client did not choose it, and
 // the request need not be asked whether it came through a trusted proxy.
-// Asking costs a look-up in the request's variables (about 120
-// instructions under callgrind); this compare spares it to every request
-// a server that trusts no proxy gets. An address written otherwise than
+// Asking costs a look-up in the request's variables; this compare spares
+// it to every request a server that trusts no proxy gets. An address written otherwise than
 // Caddy writes it only costs the look-up.
 func fromPeer(remoteAddr, ip string) bool {
 	n := len(ip)

@@ -67,7 +67,7 @@ func TestSpoofableKeyDecision(t *testing.T) {
 			rl.Exempt = []string{"10.0.0.0/8"}
 		}}, []string{"exempt"}},
 		{"header key, a limit by IP", lax(), true, []func(*RateLimit){key("{http.request.header.X-Api-Key}", MissingReject), func(rl *RateLimit) {
-			rl.Limits = []LimitConfig{{Name: "per_ip", Max: 9, Window: 60e9, Key: "{client_ip}"}}
+			rl.Limits = []PolicyConfig{{Name: "per_ip", Max: 9, Window: 60e9, Key: "{client_ip}"}}
 		}}, []string{"limit per_ip"}},
 		{"ws_max_connections_per_ip", lax(), true, []func(*RateLimit){func(rl *RateLimit) { rl.WSMaxConnectionsPerIP = 3 }}, []string{"limit z", "ws_max_connections_per_ip"}},
 	} {

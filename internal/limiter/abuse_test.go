@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -26,10 +27,26 @@ func forEachStore(t *testing.T, limits []Check, fn func(t *testing.T, s Store)) 
 	t.Run("redis", func(t *testing.T) {
 		t.Parallel()
 		srv := redistest.Start(t)
+		storeServers.Store(t, srv)
+		t.Cleanup(func() { storeServers.Delete(t) })
 		s, _ := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
 		s.SetLimits(limits)
 		fn(t, s)
 	})
+}
+
+// storeServers are the Redis servers of forEachStore's running tests.
+var storeServers sync.Map // *testing.T → *redistest.Server
+
+// wait lets d pass for the store of forEachStore's test t: on its Redis
+// server's clock too, which an in-process server (no redis-server
+// installed) moves only when told.
+func wait(t *testing.T, d time.Duration) {
+	if srv, ok := storeServers.Load(t); ok {
+		srv.(*redistest.Server).Sleep(d)
+		return
+	}
+	time.Sleep(d)
 }
 
 func TestCost(t *testing.T) {
@@ -104,7 +121,7 @@ func TestBan(t *testing.T) {
 			t.Fatalf("second request = %+v, want refused for the 3s ban", out[0])
 		}
 		// The window ended long ago; the ban holds.
-		time.Sleep(300 * time.Millisecond)
+		wait(t, 300*time.Millisecond)
 		out, ok = decide(t, s, time.Now(), c)
 		if ok || out[0].RetryAfter < 2*time.Second {
 			t.Fatalf("request after the window = %+v, want still banned", out[0])
@@ -147,7 +164,7 @@ func TestBanEscalates(t *testing.T) {
 				if ok {
 					break
 				}
-				time.Sleep(out[0].RetryAfter + 20*time.Millisecond)
+				wait(t, out[0].RetryAfter+20*time.Millisecond)
 			}
 			out, ok := decide(t, s, time.Now(), c)
 			if ok {
@@ -181,7 +198,7 @@ func TestGCRA(t *testing.T) {
 			t.Fatalf("request past the burst = %+v, want refused for at most one interval", out[0])
 		}
 		// One interval later, one request, not two.
-		time.Sleep(out[0].RetryAfter + 10*time.Millisecond)
+		wait(t, out[0].RetryAfter+10*time.Millisecond)
 		if out, ok := decide(t, s, time.Now(), c); !ok {
 			t.Fatalf("request an interval later = %+v, want admitted", out[0])
 		}
