@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -61,7 +62,8 @@ func Start(t testing.TB) *Server {
 		if err := m.Start(); err != nil {
 			t.Fatalf("starting miniredis: %v", err)
 		}
-		t.Cleanup(m.Close)
+		stop := runClock(m)
+		t.Cleanup(func() { stop(); m.Close() })
 		s := &Server{Addr: m.Addr(), Kind: KindMiniredis, t: t, mini: m}
 		announce(t, s)
 		return s
@@ -213,13 +215,31 @@ func (s *Server) Restart() {
 	s.t.Fatalf("restarting redis-server: %v", err)
 }
 
-// Sleep waits d. On miniredis, whose keys expire only when told, it also
-// moves the server's clock forward by d.
+// Sleep waits d: the server's keys age by d, miniredis's too (runClock).
 func (s *Server) Sleep(d time.Duration) {
 	time.Sleep(d)
-	if s.mini != nil {
-		s.mini.FastForward(d)
-	}
+}
+
+// runClock makes m's keys expire with the time that passes, as a real
+// server's do (miniredis expires keys only when told to move its clock),
+// until the returned func is called.
+func runClock(m *miniredis.Miniredis) func() {
+	done := make(chan struct{})
+	go func() {
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		last := time.Now()
+		for {
+			select {
+			case <-done:
+				return
+			case now := <-tick.C:
+				m.FastForward(now.Sub(last))
+				last = now
+			}
+		}
+	}()
+	return sync.OnceFunc(func() { close(done) })
 }
 
 // StartCluster starts a Redis Cluster of three masters (no replicas) on
