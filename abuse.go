@@ -533,17 +533,20 @@ func (p *policy) holdsBan() bool {
 	return p.countStatus != nil && p.check.Limit.Ban > 0
 }
 
-// enterInFlight records the request in every limit that counts by status
-// and bans, marking NoBan on the checks of a key with other requests in
+// inFlightTracked reports whether check i of d is tracked in flight: its
+// policy counts by status, and the check bans (a missing bucket's never
+// does).
+func (rl *RateLimit) inFlightTracked(d *decision, i int) bool {
+	return rl.policies[d.of[i]].countStatus != nil && d.checks[i].Limit.Ban > 0
+}
+
+// enterInFlight records the request in every limit it is tracked in
+// flight in, marking NoBan on the checks of a key with other requests in
 // flight.
 func (rl *RateLimit) enterInFlight(d *decision, n int) {
 	for i := range n {
-		p := &rl.policies[d.of[i]]
-		if p.holdsBan() && d.checks[i].Limit.Ban > 0 {
-			d.entered[i] = true
-			if rl.inFlight.enter(p.name, d.checks[i].Key) > 1 {
-				d.checks[i].NoBan = true
-			}
+		if rl.inFlightTracked(d, i) && rl.inFlight.enter(rl.policies[d.of[i]].name, d.checks[i].Key) > 1 {
+			d.checks[i].NoBan = true
 		}
 	}
 }
@@ -552,7 +555,7 @@ func (rl *RateLimit) enterInFlight(d *decision, n int) {
 // banning a pending violation.
 func (rl *RateLimit) pendViolations(d *decision, n int) {
 	for i := range n {
-		if d.entered[i] && d.out[i].PendingBan {
+		if d.out[i].PendingBan && rl.inFlightTracked(d, i) {
 			rl.inFlight.violate(rl.policies[d.of[i]].name, d.checks[i], d.out[i].Reset)
 		}
 	}
@@ -562,7 +565,7 @@ func (rl *RateLimit) pendViolations(d *decision, n int) {
 // counted where its units stayed spent.
 func (rl *RateLimit) leaveInFlight(d *decision, n int) {
 	for i := range n {
-		if d.entered[i] {
+		if rl.inFlightTracked(d, i) {
 			rl.inFlight.leave(rl.policies[d.of[i]].name, d.checks[i].Key, d.kept[i])
 		}
 	}

@@ -173,9 +173,9 @@ type decision struct {
 	// units a response outside count_status gives back.
 	refund    [limiter.MaxChecks]limiter.Check
 	refundOut [limiter.MaxChecks]limiter.Verdict
-	// entered marks the checks whose key the request is in flight in
-	// (inFlight); kept those whose units stayed spent once it was served.
-	entered, kept [limiter.MaxChecks]bool
+	// kept marks the checks whose units stayed spent once the request
+	// was served (for inFlight).
+	kept [limiter.MaxChecks]bool
 }
 
 // recycle returns d to the pool, holding no request's keys: refund holds
@@ -183,7 +183,6 @@ type decision struct {
 func (d *decision) recycle() {
 	clear(d.checks[:d.n])
 	clear(d.refund[:d.n])
-	clear(d.entered[:d.n])
 	clear(d.kept[:d.n])
 	d.n = 0
 	decisions.Put(d)
