@@ -72,14 +72,15 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			on_error   local|allow|deny   # default local
 //			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
 //			pipeline   on|off             # default off; on: concurrent decisions share round trips
+//			sync       <interval> [share|all] # decide in memory, sync counts every interval (docs/redis.md)
 //		}
 //	}
 //
 // Every option takes exactly one argument and may be given once, except
 // store, which takes a block for redis; address and exempt, which take one
 // or more and may repeat; count_status, which takes one or more; ban, which
-// takes one to three; limit, which takes three and an optional block and
-// may repeat; and tls and dry_run, which take none. windowS takes an integer
+// takes one to three; sync, which takes one or two; limit, which takes
+// three and an optional block and may repeat; and tls and dry_run, which take none. windowS takes an integer
 // of seconds only.
 func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
@@ -312,6 +313,20 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 				return d.Errf("tls takes no argument, got %q", d.Val())
 			}
 			sc.TLS = true
+			continue
+		case "sync":
+			args := d.RemainingArgs()
+			if len(args) == 0 || len(args) > 2 {
+				return d.Errf("sync takes an interval and optionally share or all, got %d arguments", len(args))
+			}
+			interval, err := parseDuration(d, opt, args[0])
+			if err != nil {
+				return err
+			}
+			sc.Sync = interval
+			if len(args) == 2 {
+				sc.SyncSpend = args[1]
+			}
 			continue
 		}
 		val, err := oneArg(d, opt)

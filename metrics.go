@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -31,6 +32,24 @@ var (
 		[]string{"zone"}, nil)
 	storeHealthyDesc = prometheus.NewDesc("caddy_rate_limit_store_healthy",
 		"1 when the zone's shared store (Redis) is HEALTHY, 0 when DEGRADED or RECOVERING. Absent for in-process zones.",
+		[]string{"zone"}, nil)
+	syncRoundTripsDesc = prometheus.NewDesc("caddy_rate_limit_sync_round_trips_total",
+		"Round trips to Redis of a zone in sync mode (each carries the counts of up to 2,000 keys).",
+		[]string{"zone"}, nil)
+	syncBatchesDesc = prometheus.NewDesc("caddy_rate_limit_sync_batches_total",
+		"Script calls (batches) the sync round trips carried; sync_keys_total / sync_batches_total is the mean keys per batch.",
+		[]string{"zone"}, nil)
+	syncKeysDesc = prometheus.NewDesc("caddy_rate_limit_sync_keys_total",
+		"Keys whose counts the sync batches sent.",
+		[]string{"zone"}, nil)
+	syncLagDesc = prometheus.NewDesc("caddy_rate_limit_sync_lag_seconds",
+		"How old, at most, the fleet's counts this instance decides from are: the time since its last sync that reached Redis began.",
+		[]string{"zone"}, nil)
+	syncDroppedDesc = prometheus.NewDesc("caddy_rate_limit_sync_dropped_deltas_total",
+		"Keys whose counts of a window never reached Redis: evicted while Redis was away (max_tracked), or sent after the window had ended in Redis.",
+		[]string{"zone"}, nil)
+	syncFleetDesc = prometheus.NewDesc("caddy_rate_limit_sync_instances",
+		"Instances that synced the zone within the last three intervals, as the last sync read.",
 		[]string{"zone"}, nil)
 	websocketDesc = prometheus.NewDesc("caddy_rate_limit_websocket_connections",
 		"WebSocket connections open through the zone now.",
@@ -69,6 +88,12 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- evictionsDesc
 	ch <- websocketDesc
 	ch <- storeHealthyDesc
+	ch <- syncRoundTripsDesc
+	ch <- syncBatchesDesc
+	ch <- syncKeysDesc
+	ch <- syncLagDesc
+	ch <- syncDroppedDesc
+	ch <- syncFleetDesc
 }
 
 // Collect implements prometheus.Collector: it reads each live zone's
@@ -98,6 +123,19 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 				healthy = 1
 			}
 			ch <- prometheus.MustNewConstMetric(storeHealthyDesc, prometheus.GaugeValue, healthy, z.name)
+		}
+		if sy, ok := z.store.(limiter.Syncer); ok {
+			if st, ok := sy.SyncStats(time.Now()); ok {
+				counter := func(d *prometheus.Desc, v uint64) {
+					ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), z.name)
+				}
+				counter(syncRoundTripsDesc, st.RoundTrips)
+				counter(syncBatchesDesc, st.Batches)
+				counter(syncKeysDesc, st.Keys)
+				counter(syncDroppedDesc, st.Dropped)
+				ch <- prometheus.MustNewConstMetric(syncLagDesc, prometheus.GaugeValue, st.Lag.Seconds(), z.name)
+				ch <- prometheus.MustNewConstMetric(syncFleetDesc, prometheus.GaugeValue, float64(st.Fleet), z.name)
+			}
 		}
 	}
 }

@@ -117,6 +117,23 @@ type StoreConfig struct {
 	// refused with a Cluster. Default: "off".
 	Pipeline string `json:"pipeline,omitempty"`
 
+	// Sync, when set, is sync mode's interval: each instance decides in
+	// memory from the fleet's counts as last read from Redis, and every
+	// interval sends the counts of the keys it touched and reads the
+	// fleet's back, so no request waits for Redis. Windows are aligned to
+	// the clock. From 10ms to 10s, and at most half of every window of
+	// the zone; not with algorithm gcra, on_error allow or deny, or
+	// pipeline on (docs/redis.md). Default: none (exact mode, a round
+	// trip per decision).
+	Sync caddy.Duration `json:"sync,omitempty"`
+
+	// SyncSpend is what an instance spends between two syncs: "share"
+	// (its share of what the fleet has left, reserved in Redis, so that
+	// the fleet stays within max) or "all" (everything the fleet had left
+	// at the last sync: each instance may admit up to max before it hears
+	// of the others). Only with sync. Default: "share".
+	SyncSpend string `json:"sync_spend,omitempty"`
+
 	// Set by provision: the options with placeholders replaced.
 	opts     *redis.UniversalOptions
 	hashKey  []byte
@@ -193,14 +210,42 @@ func (sc *StoreConfig) check() error {
 	default:
 		errs = append(errs, fmt.Errorf("invalid pipeline %q: must be on or off", sc.Pipeline))
 	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, sc.checkSync()...)...)
+}
+
+// checkSync reports what is wrong with the sync options and the options
+// sync mode gives no meaning.
+func (sc *StoreConfig) checkSync() []error {
+	var errs []error
+	sync := time.Duration(sc.Sync)
+	switch {
+	case sync == 0:
+		if sc.SyncSpend != "" {
+			errs = append(errs, fmt.Errorf("sync_spend %q needs sync", sc.SyncSpend))
+		}
+		return errs
+	case sync < limiter.MinSyncInterval || sync > limiter.MaxSyncInterval:
+		errs = append(errs, fmt.Errorf("invalid sync %s: must be from %s to %s", sync, limiter.MinSyncInterval, limiter.MaxSyncInterval))
+	}
+	switch sc.SyncSpend {
+	case "", limiter.SyncShare, limiter.SyncAll:
+	default:
+		errs = append(errs, fmt.Errorf("invalid sync_spend %q: must be %s or %s", sc.SyncSpend, limiter.SyncShare, limiter.SyncAll))
+	}
+	if sc.OnError != "" && sc.OnError != limiter.OnErrorLocal {
+		errs = append(errs, fmt.Errorf("invalid on_error %q with sync: in sync mode decisions never wait for Redis and go on in memory while it fails, so on_error must be local", sc.OnError))
+	}
+	if sc.Pipeline == PipelineOn {
+		errs = append(errs, fmt.Errorf("invalid pipeline %q with sync: sync mode sends its counts in batches of its own", sc.Pipeline))
+	}
+	return errs
 }
 
 // hasRedisOptions reports whether any Redis option is set.
 func (sc *StoreConfig) hasRedisOptions() bool {
 	return len(sc.Addresses) > 0 || sc.URL != "" || sc.MasterName != "" || sc.Username != "" ||
 		sc.Password != "" || sc.DB != 0 || sc.TLS || sc.KeyPrefix != "" || sc.Timeout != 0 ||
-		sc.OnError != "" || sc.HashKeys != "" || sc.Pipeline != ""
+		sc.OnError != "" || sc.HashKeys != "" || sc.Pipeline != "" || sc.Sync != 0 || sc.SyncSpend != ""
 }
 
 // provision fills in defaults, replaces placeholders and builds the client
@@ -336,9 +381,9 @@ func (sc *StoreConfig) describe() string {
 	if !sc.isRedis() {
 		return StoreMemory
 	}
-	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t pipeline=%s)",
+	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t pipeline=%s sync=%s sync_spend=%s)",
 		strings.Join(sc.Addresses, ","), sc.URL != "", sc.MasterName, sc.DB, sc.TLS, sc.KeyPrefix,
-		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "", sc.Pipeline)
+		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "", sc.Pipeline, time.Duration(sc.Sync), sc.SyncSpend)
 }
 
 // digest is a short fingerprint of a secret, so that a key naming a
@@ -394,6 +439,8 @@ func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Lo
 		MaxTracked: maxTracked,
 		Logger:     logger.With(zap.String("zone", zone)),
 		Pipeline:   sc.Pipeline == PipelineOn,
+		Sync:       time.Duration(sc.Sync),
+		SyncSpend:  sc.SyncSpend,
 	})
 	connKey := sc.connKey
 	return rs, func() error { return releaseRedisClient(connKey) }

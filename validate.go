@@ -174,6 +174,7 @@ func (rl *RateLimit) checkLimits() []error {
 		}
 	}
 	errs = append(errs, rl.AbuseControls.check("", rl.Algorithm)...)
+	errs = append(errs, rl.checkSync()...)
 	if rl.Algorithm == AlgorithmGCRA {
 		if err := checkBucket("", rl.Max, time.Duration(rl.Window), rl.Burst); err != nil {
 			errs = append(errs, err)
@@ -254,6 +255,30 @@ func validLimitName(name string) bool {
 		}
 	}
 	return true
+}
+
+// checkSync reports what a Redis store's sync mode cannot do with the
+// handler's limits: GCRA (a bucket's arrival time has no per-instance
+// count to add up), and a window not at least two intervals long.
+func (rl *RateLimit) checkSync() []error {
+	if !rl.Store.isRedis() || rl.Store.Sync == 0 {
+		return nil
+	}
+	sync := time.Duration(rl.Store.Sync)
+	var errs []error
+	if rl.Algorithm == AlgorithmGCRA {
+		errs = append(errs, fmt.Errorf("invalid algorithm %q with sync %s: a GCRA bucket is one arrival time, which instances cannot count apart and add up; use fixed or sliding", rl.Algorithm, sync))
+	}
+	check := func(what string, w time.Duration) {
+		if w != 0 && w < 2*sync {
+			errs = append(errs, fmt.Errorf("invalid %s %s with sync %s: a window must be at least two sync intervals", what, w, sync))
+		}
+	}
+	check("window", time.Duration(rl.Window))
+	for _, l := range rl.Limits {
+		check(fmt.Sprintf("limit %q window", l.Name), time.Duration(l.Window))
+	}
+	return errs
 }
 
 // checkBucket checks that a GCRA bucket of burst requests (0: max), one

@@ -87,6 +87,12 @@ type Leaser interface {
 	ReleaseLease(ctx context.Context, l Lease) error
 }
 
+// Syncer is a store that may run in sync mode (Redis): ok is false when it
+// does not.
+type Syncer interface {
+	SyncStats(now time.Time) (st SyncStats, ok bool)
+}
+
 // Run runs the memory store's sweeper: MemoryStore is a Runner.
 func (s *MemoryStore) Run(ctx context.Context, interval func() time.Duration) {
 	s.RunSweeper(ctx, interval)
@@ -108,4 +114,5 @@ var (
 	_ KeyCounter     = (*RedisStore)(nil)
 	_ KeyHasher      = (*RedisStore)(nil)
 	_ Leaser         = (*RedisStore)(nil)
+	_ Syncer         = (*RedisStore)(nil)
 )

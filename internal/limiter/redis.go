@@ -55,6 +55,14 @@ type RedisStoreOptions struct {
 	// after a transport error, counting requests twice. See
 	// docs/redis.md for what else it trades.
 	Pipeline bool
+	// Sync, when positive, is sync mode's interval: decisions are made in
+	// memory from the fleet's counts as last read, and every Sync the
+	// store sends the counts of the keys it touched and reads the
+	// fleet's back (redis_sync.lua). Windows are then aligned to the
+	// clock. Zero: every decision is a round trip (exact mode).
+	Sync time.Duration
+	// SyncSpend is SyncShare (default) or SyncAll.
+	SyncSpend string
 }
 
 // RedisStore is a Store whose counters live in Redis, so that every Caddy
@@ -98,6 +106,8 @@ type RedisStore struct {
 	probeEvery time.Duration
 
 	counts keyCounter // the counts of the zone's keys (CountKeys)
+
+	sync *syncTable // sync mode's table; nil in exact mode
 }
 
 // NewRedisStore returns a RedisStore. It does not connect: the first decision
@@ -138,6 +148,9 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 			opts.Logger.Debug("redis auto-pipelining unavailable; decisions are sent one by one", zap.Error(err))
 		}
 	}
+	if opts.Sync > 0 {
+		s.sync = newSyncTable(opts.Sync, opts.SyncSpend, newInstanceID(), opts.MaxTracked)
+	}
 	s.refused.init(opts.MaxTracked)
 	s.counts.init()
 	s.SetTimeout(opts.Timeout)
@@ -165,6 +178,9 @@ func (s *RedisStore) SetOnError(mode string) {
 
 // SetMaxTracked changes the bound on the store's in-process state.
 func (s *RedisStore) SetMaxTracked(n int) {
+	if s.sync != nil {
+		s.sync.cap.Store(int64(n))
+	}
 	s.local.SetMaxTracked(n)
 	s.refused.setCap(n)
 }
@@ -206,6 +222,10 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 		return fmt.Errorf("redis store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
 	}
 	s.markUsed()
+	if s.sync != nil {
+		s.decideSync(ctx, checks, now, out)
+		return nil
+	}
 	t := now.UnixNano()
 	var resets [MaxChecks]int64
 	cached := false
@@ -268,6 +288,10 @@ const refundMargin = 20 * time.Millisecond
 // what has not dripped back yet. A refund also reaches the local fallback
 // store when the decision was made there.
 func (s *RedisStore) Refund(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
+	if s.sync != nil {
+		s.refundSync(checks, verdicts)
+		return nil
+	}
 	var groups [][]int
 	for i := range checks {
 		if i >= len(verdicts) || !verdicts[i].Allowed {
@@ -364,6 +388,9 @@ func (s *RedisStore) Ban(ctx context.Context, c Check, now time.Time) (time.Time
 		return time.Time{}, nil
 	}
 	s.markUsed()
+	if s.sync != nil {
+		return s.banSync(c, now), nil
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	base := s.base(c.Name, s.tag(c.Key))

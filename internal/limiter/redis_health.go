@@ -89,6 +89,9 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 		}
 	case stateRecovering:
 		s.logger.Info("redis store recovering: redis answers again", fields...)
+		if s.sync != nil {
+			s.sync.resend.Store(true) // the running windows' counts go to Redis once more
+		}
 	case stateHealthy:
 		s.logger.Info("redis store healthy", fields...)
 	}
@@ -101,6 +104,9 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 // done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.RunSweeper(ctx, interval)
+	if s.sync != nil {
+		go s.runSync(ctx)
+	}
 	go func() {
 		// Nothing connects before the store is used: a config that is
 		// only validated never subscribes.

@@ -16,7 +16,12 @@ import (
 // Len implements Store. Counters in Redis are counted only by walking them
 // (CountKeys); Len returns the keys tracked in this process by the local
 // fallback store.
-func (s *RedisStore) Len() int { return s.local.Len() }
+func (s *RedisStore) Len() int {
+	if s.sync != nil {
+		return int(s.sync.len.Load())
+	}
+	return s.local.Len()
+}
 
 // Range implements Store. It walks the zone's count keys with SCAN (on every
 // master of a Cluster), a page at a time, never KEYS, and reads each page's
@@ -87,6 +92,12 @@ func (s *RedisStore) forEachNode(ctx context.Context, fn func(ctx context.Contex
 func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) error {
 	s.refused.forgetAfter(cutoff.UnixNano())
 	s.local.CutWindows(c.Slot, cutoff)
+	if s.sync != nil {
+		// Windows of another length are other aligned windows: the next
+		// decision starts afresh, and redis_sync.lua drops a count
+		// written under a longer window.
+		return nil
+	}
 	return s.forEachNode(ctx, func(ctx context.Context, node scanner) error {
 		return s.scanPages(ctx, node, "c", func(ctx context.Context, keys []string) error {
 			keys = slices.DeleteFunc(keys, func(k string) bool {
@@ -199,10 +210,14 @@ func (s *RedisStore) readPage(ctx context.Context, c scanner, keys []string, now
 				// The count key holds the theoretical arrival time; it
 				// expires when the bucket is full again.
 				ks.Count = 0
-			case l.Sliding:
-				// A sliding count outlives its window by a window, as the
-				// next one's previous count (redis.lua): its window ends
-				// a window before the key does. A ban outlives it too.
+			case l.Sliding || s.sync != nil:
+				// A sliding count, and every count in sync mode, outlives
+				// its window by a window, as the next one's previous count
+				// (redis.lua, redis_sync.lua): its window ends a window
+				// before the key does. A ban outlives it too.
+				if !l.Sliding {
+					ks.Prev = 0
+				}
 				if ttl -= l.Window; ttl <= 0 {
 					if ban <= 0 {
 						continue
@@ -256,11 +271,12 @@ func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 	}
 	s.refused.forget(cacheKey(c.Name, c.Key))
 	_, _ = s.local.ForgetCheck(ctx, c)
+	s.forgetSync(c.Name, tags)
 	found := false
 	for _, tag := range tags {
 		base := s.base(c.Name, tag)
 		// One DEL per tag: its keys share the tag's slot.
-		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p", base+"b", base+"s").Result()
+		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p", base+"b", base+"s", base+"h", base+"q").Result()
 		if err != nil {
 			return found, fmt.Errorf("deleting redis key %q: %w", base+"c", err)
 		}

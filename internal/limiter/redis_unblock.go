@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"time"
 
@@ -59,6 +60,11 @@ func (s *RedisStore) listen(ctx context.Context) {
 				_ = s.flushRefused(fctx, time.Now())
 				cancel()
 				s.refused.forgetFunc(func(string) bool { return true })
+				if s.sync != nil {
+					// Redis may have restarted: the counts of the
+					// running windows go to it again.
+					s.sync.resend.Store(true)
+				}
 			}
 		case *redis.Message:
 			name, tag, _ := strings.Cut(m.Payload, "\x00")
@@ -70,6 +76,7 @@ func (s *RedisStore) listen(ctx context.Context) {
 // dropCached drops the key whose tag (the key, or its hash) is tag from the
 // named limit's refused cache and from the local fallback store.
 func (s *RedisStore) dropCached(name, tag string) {
+	s.forgetSync(name, []string{tag})
 	if s.hashKey == nil {
 		s.refused.forget(cacheKey(name, tag))
 		for slot := range MaxChecks {
@@ -82,6 +89,18 @@ func (s *RedisStore) dropCached(name, tag string) {
 	s.refused.forgetFunc(func(k string) bool {
 		n, key := splitCacheKey(k)
 		return n == name && s.tag(key) == tag
+	})
+}
+
+// forgetSync drops, in sync mode, the named limit's entries of the keys
+// whose tags (keys, or their hashes) are tags, with the counts they had not
+// sent.
+func (s *RedisStore) forgetSync(name string, tags []string) {
+	if s.sync == nil {
+		return
+	}
+	s.sync.forget(func(e *syncEntry) bool {
+		return e.name == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key || t == s.tag(e.key) })
 	})
 }
 

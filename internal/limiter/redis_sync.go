@@ -1,0 +1,442 @@
+package limiter
+
+import (
+	"context"
+	"hash/maphash"
+	"math"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// How an instance in sync mode spends, between two rounds, what the fleet
+// had left at the last.
+const (
+	// SyncShare spends at most this instance's share of it: what is left
+	// divided by the instances counting the key (before they are known,
+	// the instances that synced recently).
+	SyncShare = "share"
+	// SyncAll spends all of it, as if no other instance spent meanwhile.
+	SyncAll = "all"
+)
+
+// Bounds of the sync interval.
+const (
+	MinSyncInterval = 10 * time.Millisecond
+	MaxSyncInterval = 10 * time.Second
+)
+
+// syncShards is how many locks the sync table's keys are spread over.
+const syncShards = 64
+
+// syncTable is what a RedisStore in sync mode decides from: for each key of
+// each limit touched in its current or previous window, this instance's
+// count and the fleet's as last read from Redis. The sync loop (syncRound)
+// sends the counts of the keys touched since its last round and reads the
+// fleet's back.
+type syncTable struct {
+	interval time.Duration
+	spend    string // SyncShare or SyncAll
+	id       string // this instance's field in the counts' hashes
+
+	seed   maphash.Seed
+	shards [syncShards]syncShard
+	len    atomic.Int64 // keys held
+	cap    atomic.Int64 // keys held at most (max_tracked)
+
+	fleet   atomic.Int64 // instances that synced recently, this one included
+	next    atomic.Int64 // when the next round starts (Unix ns)
+	resend  atomic.Bool  // the next round sends every key of a running window
+	bansMu  sync.Mutex
+	bans    []Check // violations to record in Redis (Store.Ban)
+	stats   syncCounters
+	lastOK  atomic.Int64 // when the last round that reached Redis started (Unix ns)
+	started atomic.Int64 // when the sync loop started (Unix ns)
+	// ready is closed when the first round has ended, well or not: the
+	// decisions before it wait for it (up to the store's timeout), so
+	// that an instance joining a fleet knows the fleet before it spends.
+	ready     chan struct{}
+	readyOnce sync.Once
+	isReady   atomic.Bool
+}
+
+// syncCounters are the sync loop's figures, for metrics.
+type syncCounters struct {
+	roundTrips, batches, keys, dropped atomic.Uint64
+}
+
+// SyncStats is what a store in sync mode reports of its rounds.
+type SyncStats struct {
+	// RoundTrips counts the pipelines sent to Redis.
+	RoundTrips uint64
+	// Batches counts the script calls they carried, Keys the keys those
+	// sent: Keys/Batches is the mean batch.
+	Batches, Keys uint64
+	// Lag is how old the fleet's counts the decisions use are at most:
+	// the time since the last round that reached Redis started.
+	Lag time.Duration
+	// Dropped counts the counts of windows that never reached Redis: a key
+	// evicted, or its window ended, with units Redis had not been sent.
+	Dropped uint64
+	// Fleet is how many instances synced the zone recently.
+	Fleet int
+}
+
+// syncShard is one lock's share of the table.
+type syncShard struct {
+	mu    sync.Mutex
+	m     map[string]*syncEntry // by cacheKey(name, key)
+	dirty []*syncEntry          // touched since the last round
+	order []*syncEntry          // in the order they were added, for eviction
+}
+
+// syncEntry is one key of one limit. Times are Unix milliseconds.
+type syncEntry struct {
+	name, key string
+	tag       string // the key's name in Redis (its hash with hash_keys), once a round has sent it
+	window    int64
+	end       int64 // the end of the window counted in mine
+	max       int64 // the limit's Max at the last decision
+	sliding   bool  // the limit's window slides
+	// mine is what this instance admitted in the window; sent the value of
+	// mine that the last round read fleet with (the fleet's count then).
+	mine, sent, fleet int64
+	// The same for the window before.
+	prevMine, prevSent, prevFleet int64
+	// rounds read the window; members are the instances counting in it.
+	rounds, members int64
+	// budget is what this instance may spend past budgetFrom until the
+	// next round (SyncShare).
+	budget, budgetFrom int64
+	refused            int64 // refusals not yet added to the tally
+	refusedAny         bool  // a refusal in the window (FirstRefusal)
+	bans               bool  // the limit bans: a round reads the ban
+	banUntil           int64 // Unix ns
+	dirty, gone        bool
+}
+
+func newSyncTable(interval time.Duration, spend string, id string, maxTracked int) *syncTable {
+	if spend == "" {
+		spend = SyncShare
+	}
+	y := &syncTable{interval: interval, spend: spend, id: id, seed: maphash.MakeSeed(), ready: make(chan struct{})}
+	for i := range y.shards {
+		y.shards[i].m = make(map[string]*syncEntry)
+	}
+	y.cap.Store(int64(maxTracked))
+	y.fleet.Store(1)
+	return y
+}
+
+func (y *syncTable) shardOf(ck string) int {
+	return int(maphash.String(y.seed, ck) % syncShards)
+}
+
+// entry returns the entry of c at ms (creating it), its window rolled to
+// the one in progress. The shard is locked.
+func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEntry {
+	w := c.Limit.Window.Milliseconds()
+	end := (ms/w + 1) * w
+	e := sh.m[ck]
+	if e == nil {
+		if y.len.Load() >= y.cap.Load() {
+			y.evict(sh)
+		}
+		e = &syncEntry{name: strings.Clone(c.Name), key: strings.Clone(c.Key), window: w, end: end}
+		sh.m[strings.Clone(ck)] = e
+		sh.order = append(sh.order, e)
+		y.len.Add(1)
+		y.prior(e, &c.Limit, ms)
+	}
+	e.bans, e.max, e.sliding = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding
+	switch {
+	case e.window != w:
+		// A reload changed the window: windows of another length.
+		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
+		*e = syncEntry{name: e.name, key: e.key, tag: e.tag, window: w, end: end, max: e.max, sliding: e.sliding,
+			banUntil: e.banUntil, bans: e.bans, dirty: e.dirty}
+		y.prior(e, &c.Limit, ms)
+	case end > e.end:
+		if end == e.end+w {
+			y.drop(e.prevMine - e.prevSent)
+			e.prevMine, e.prevSent, e.prevFleet = e.mine, e.sent, e.fleet
+		} else {
+			y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
+			e.prevMine, e.prevSent, e.prevFleet = 0, 0, 0
+		}
+		e.end, e.mine, e.sent, e.fleet = end, 0, 0, 0
+		e.rounds, e.members, e.refusedAny = 0, 0, false
+		y.prior(e, &c.Limit, ms)
+	}
+	return e
+}
+
+// drop counts the units of windows that will never reach Redis.
+func (y *syncTable) drop(units ...int64) {
+	for _, u := range units {
+		if u != 0 {
+			y.stats.dropped.Add(1)
+		}
+	}
+}
+
+// evict makes room in the table by dropping sh's oldest entry (the sweep
+// drops expired ones first: this one may have counts Redis lacks).
+func (y *syncTable) evict(sh *syncShard) {
+	for len(sh.order) > 0 {
+		e := sh.order[0]
+		sh.order[0] = nil
+		sh.order = sh.order[1:]
+		if e.gone {
+			continue
+		}
+		y.remove(sh, e)
+		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
+		return
+	}
+}
+
+// remove takes e out of its shard.
+func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
+	e.gone = true
+	delete(sh.m, cacheKey(e.name, e.key))
+	y.len.Add(-1)
+}
+
+// prior sets e's budget before a round has read its window: its share of
+// what the previous window leaves, among the instances that synced
+// recently.
+func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
+	left := float64(l.Max)
+	if l.Sliding {
+		left -= l.sliding(e.prevFleet+e.prevMine-e.prevSent, 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))
+	}
+	e.budget = int64(math.Ceil(max(left, 0) / float64(max(y.fleet.Load(), 1))))
+	e.budgetFrom = 0
+}
+
+// touch queues e for the next round.
+func (sh *syncShard) touch(e *syncEntry) {
+	if !e.dirty {
+		e.dirty = true
+		sh.dirty = append(sh.dirty, e)
+	}
+}
+
+// setReady records that the first round has ended.
+func (y *syncTable) setReady() {
+	y.readyOnce.Do(func() {
+		y.isReady.Store(true)
+		close(y.ready)
+	})
+}
+
+// decideSync is Decide in sync mode: from the table alone, never waiting
+// on Redis once the first round has ended.
+func (s *RedisStore) decideSync(ctx context.Context, checks []Check, now time.Time, out []Verdict) {
+	y := s.sync
+	if !y.isReady.Load() {
+		t := time.NewTimer(time.Duration(s.timeout.Load()))
+		select {
+		case <-y.ready:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+	t, ms := now.UnixNano(), now.UnixMilli()
+	// Lock each shard the checks touch once, in order.
+	var idx [MaxChecks]int
+	var cks [MaxChecks]string
+	for i := range checks {
+		cks[i] = cacheKey(checks[i].Name, checks[i].Key)
+		idx[i] = y.shardOf(cks[i])
+	}
+	locked := slices.Clone(idx[:len(checks)])
+	slices.Sort(locked)
+	locked = slices.Compact(locked)
+	for _, i := range locked {
+		y.shards[i].mu.Lock()
+	}
+	defer func() {
+		for _, i := range locked {
+			y.shards[i].mu.Unlock()
+		}
+	}()
+	var es [MaxChecks]*syncEntry
+	admit := true
+	for i := range checks {
+		c := &checks[i]
+		e := y.entry(&y.shards[idx[i]], cks[i], c, ms)
+		es[i] = e
+		out[i] = y.verdict(e, c, t)
+		admit = admit && out[i].Allowed
+	}
+	for i := range checks {
+		c, e := &checks[i], es[i]
+		if admit {
+			e.mine += c.cost()
+		} else if !out[i].Allowed {
+			e.refused++
+			out[i].FirstRefusal = !e.refusedAny
+			e.refusedAny = true
+		}
+		y.shards[idx[i]].touch(e)
+	}
+}
+
+// verdict judges one check against e at t (Unix ns), and starts the ban of
+// a violation.
+func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
+	l := &c.Limit
+	cost := c.cost()
+	reset := e.end * int64(time.Millisecond)
+	cur := e.fleet + e.mine - e.sent
+	held := float64(cur)
+	prev := e.prevFleet + e.prevMine - e.prevSent
+	if l.Sliding {
+		held = l.sliding(prev, cur, reset, t)
+	}
+	v := Verdict{
+		Max:       l.Max,
+		Remaining: int(max(float64(l.Max)-math.Ceil(held), 0)),
+		Reset:     time.Unix(0, reset),
+	}
+	fits := held+float64(cost) <= float64(l.Max)
+	switch {
+	case !fits && l.Sliding:
+		v.RetryAfter = max(l.slidingWait(prev, cur, reset, t, cost), time.Millisecond)
+	case !fits:
+		v.RetryAfter = time.Duration(reset - t)
+	case y.spend == SyncShare && e.mine-e.budgetFrom+cost > e.budget:
+		// This instance's share is spent: the next round tells what is
+		// left.
+		v.RetryAfter = max(time.Duration(y.next.Load()-t), time.Millisecond)
+	default:
+		v.Allowed = true
+	}
+	if !fits && cost == 1 && l.Ban > 0 && e.banUntil <= t {
+		if c.NoBan {
+			v.PendingBan = true
+		} else {
+			y.startBan(e, c, t)
+		}
+	}
+	if e.banUntil > t {
+		v.Allowed = false
+		v.Remaining = 0
+		v.RetryAfter = max(v.RetryAfter, time.Duration(e.banUntil-t))
+		v.Reset = time.Unix(0, t).Add(v.RetryAfter)
+	}
+	return v
+}
+
+// startBan bans e's key here at once for the limit's first ban, and queues
+// the violation for Redis, which escalates it and spreads it to the fleet
+// at the next round.
+func (y *syncTable) startBan(e *syncEntry, c *Check, t int64) {
+	e.banUntil = t + int64(c.Limit.Ban)
+	y.bansMu.Lock()
+	y.bans = append(y.bans, Check{Name: e.name, Key: e.key, Limit: c.Limit})
+	y.bansMu.Unlock()
+}
+
+// refund gives back what admitted checks spent (count_status): a lower
+// count of the window they were admitted in, which the next round sends.
+func (s *RedisStore) refundSync(checks []Check, verdicts []Verdict) {
+	y := s.sync
+	for i := range checks {
+		if i >= len(verdicts) || !verdicts[i].Allowed {
+			continue
+		}
+		c := &checks[i]
+		ck := cacheKey(c.Name, c.Key)
+		sh := &y.shards[y.shardOf(ck)]
+		sh.mu.Lock()
+		if e := sh.m[ck]; e != nil {
+			end := verdicts[i].Reset.UnixMilli()
+			switch end {
+			case e.end:
+				e.mine = max(e.mine-c.cost(), 0)
+			case e.end - e.window:
+				e.prevMine = max(e.prevMine-c.cost(), 0)
+			}
+			sh.touch(e)
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// banSync is Ban in sync mode: the key is banned here at once and the
+// violation goes to Redis at the next round.
+func (s *RedisStore) banSync(c Check, now time.Time) time.Time {
+	y := s.sync
+	ck := cacheKey(c.Name, c.Key)
+	sh := &y.shards[y.shardOf(ck)]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := y.entry(sh, ck, &c, now.UnixMilli())
+	y.startBan(e, &c, now.UnixNano())
+	sh.touch(e)
+	return time.Unix(0, e.banUntil)
+}
+
+// forget drops the entries match selects, with the counts they had not
+// sent: an unblocked key starts afresh everywhere, and no late count of
+// this instance brings it back.
+func (y *syncTable) forget(match func(e *syncEntry) bool) {
+	for i := range y.shards {
+		sh := &y.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if match(e) {
+				y.remove(sh, e)
+			}
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// sweep drops the entries whose windows have both ended and that have
+// nothing left to send, and the table's record of removed ones.
+func (y *syncTable) sweep(ms int64) {
+	for i := range y.shards {
+		sh := &y.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			if e.end+e.window <= ms && !e.dirty && e.banUntil <= ms*int64(time.Millisecond) {
+				y.drop(e.prevMine - e.prevSent)
+				y.remove(sh, e)
+			}
+		}
+		sh.order = slices.DeleteFunc(sh.order, func(e *syncEntry) bool { return e.gone })
+		sh.mu.Unlock()
+	}
+}
+
+// SyncStats returns the sync loop's figures; ok is false in exact mode.
+func (s *RedisStore) SyncStats(now time.Time) (st SyncStats, ok bool) {
+	if s.sync == nil {
+		return SyncStats{}, false
+	}
+	return s.sync.snapshot(now), true
+}
+
+// snapshot returns the sync loop's figures.
+func (y *syncTable) snapshot(now time.Time) SyncStats {
+	st := SyncStats{
+		RoundTrips: y.stats.roundTrips.Load(),
+		Batches:    y.stats.batches.Load(),
+		Keys:       y.stats.keys.Load(),
+		Dropped:    y.stats.dropped.Load(),
+		Fleet:      int(y.fleet.Load()),
+	}
+	if last := y.lastOK.Load(); last != 0 {
+		st.Lag = now.Sub(time.Unix(0, last))
+	} else if started := y.started.Load(); started != 0 {
+		st.Lag = now.Sub(time.Unix(0, started))
+	}
+	return st
+}

@@ -1,0 +1,166 @@
+-- One batch of a sync round (store redis { sync }): for each key an
+-- instance touched since its last round, it writes the instance's own count
+-- of the window and reads back the fleet's. Each instance's count is a
+-- field of a hash, and the count key holds their sum, so a round sent twice
+-- (a reply lost to a timeout) or again after Redis lost its data (a
+-- restart) writes the same figures: nothing is counted twice, and nothing
+-- the instances still hold is lost. A refund (count_status) is a lower
+-- count. The keys of one client share a hash tag, so a batch whose keys are
+-- of one Cluster slot is one call.
+--
+-- Windows are aligned to the clock: every instance computes the same end
+-- for the window in progress. A count key expires a window after its
+-- window ends, so its time to live tells which window it counts; the
+-- previous window's count stays readable (a sliding window weighs it) and
+-- takes the late counts of instances that had not sent them when the
+-- window ended. A count for a window older than that is never sent, and one
+-- for a window Redis has already left behind is dropped (-1).
+--
+-- Between two rounds an instance spends only what it holds: with spend
+-- share, the round reserves it a share of what no instance holds (its
+-- field is "count/reserved"), so that the fleet's counts and reservations
+-- never add up to more than max. An instance not yet counted in the window
+-- is taken to hold its first share (max over the instances that synced
+-- recently) until this one's second round of the window, when every
+-- instance that touched the key before its first has had a round.
+--
+--   ARGV[1] now in Unix milliseconds (the instance's clock); ARGV[2] the
+--   instance's id; ARGV[3] the instances that synced recently; ARGV[4] 1
+--   for spend share.
+-- For key i, KEYS[6i-5] to KEYS[6i]: count, previous count, the instances'
+-- counts (hash), the instances' previous counts (hash), refused tally, ban;
+-- and 9 arguments from ARGV[9i-4]: the end of the instance's window (Unix
+-- ms), the window (ms), the instance's count of it (-1: not sent), its
+-- count of the previous window (-1: not sent), refusals to add to the
+-- tally, 1 to read the ban, max, 1 while instances not yet counted are
+-- taken to hold their first share, the units the previous window weighs
+-- (a sliding window's).
+-- Returns 5 values per key: the fleet's count of the window (-1: dropped,
+-- the window has ended in Redis), how many instances counted in it, the
+-- fleet's count of the previous window, the milliseconds left of the key's
+-- ban (0: none), the units reserved to the instance (spend share).
+local now, inst, fleet, share = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
+
+-- num returns the integer key k holds, 0 when none.
+local function num(k)
+	local v = redis.pcall('GET', k)
+	if type(v) == 'string' then
+		return tonumber(v) or 0
+	end
+	return 0
+end
+
+-- fields returns the instances' counts in hash hk, summed, what the others
+-- reserved, summed, and how many instances there are; a key under hk that
+-- is not a hash (a hand-made SET) goes.
+local function fields(hk)
+	local all = redis.pcall('HGETALL', hk)
+	if all.err then
+		redis.call('DEL', hk)
+		return 0, 0, 0
+	end
+	local total, held, n = 0, 0, 0
+	for j = 1, #all, 2 do
+		local count, reserved = string.match(all[j + 1], '^(%-?%d+)/?(%d*)$')
+		total = total + (tonumber(count) or 0)
+		if all[j] ~= inst then
+			held = held + (tonumber(reserved) or 0)
+		end
+		n = n + 1
+	end
+	return total, held, n
+end
+
+local out = {}
+for i = 1, #KEYS / 6 do
+	local k, a = 6 * i - 6, 9 * i - 4
+	local c, p, h, q, r, b = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
+	local e, w = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+	local mine, prev, refused = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+	local max, waiting, weighs = tonumber(ARGV[a + 6]), ARGV[a + 7] == '1', tonumber(ARGV[a + 8])
+	local ttl = redis.call('PTTL', c)
+	-- The end of the window the count key counts.
+	local held = now + ttl - w
+	local ended = false
+	if ttl == -2 then
+		-- No count: a new window (a previous count, if any, is the
+		-- previous window's: it expires when this one ends).
+	elseif ttl < 0 or 2 * ttl > 5 * w then
+		-- Not this script's, or written under a longer window (a reload
+		-- shortened it): the counts start afresh.
+		redis.call('DEL', c, p, h, q)
+	elseif math.abs(held - e) * 2 < w then
+		-- The instance's window.
+	elseif math.abs(held - (e - w)) * 2 < w then
+		-- The window before: it becomes the previous count, and expires
+		-- as it should, when the instance's window ends.
+		redis.call('RENAME', c, p)
+		if redis.call('EXISTS', h) == 1 then
+			redis.call('RENAME', h, q)
+		else
+			redis.call('DEL', q)
+		end
+	elseif held > e then
+		ended = true -- Redis counts a later window
+	else
+		redis.call('DEL', c, p, h, q) -- an older window
+	end
+	if ended then
+		out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = -1, 0, 0, 0, 0
+	else
+		local total, others, n = fields(h)
+		local res = 0
+		if mine >= 0 then
+			-- This instance's field is replaced: its count and what it
+			-- held.
+			local was, seen = redis.call('HGET', h, inst), n
+			if was then
+				total = total - (tonumber(string.match(was, '^(%-?%d+)')) or 0)
+			else
+				seen = n + 1
+			end
+			total = total + mine
+			if share then
+				local free = max - weighs - total - others
+				local div = seen
+				if waiting then
+					local first = math.ceil(math.max(max - weighs, 0) / fleet)
+					free = free - math.max(fleet - seen, 0) * first
+					div = math.max(fleet, seen)
+				end
+				if free > 0 then
+					res = math.ceil(free / div)
+				end
+			end
+			redis.call('HSET', h, inst, mine .. '/' .. res)
+			redis.call('PEXPIREAT', h, e + w)
+			redis.call('SET', c, total)
+			redis.call('PEXPIREAT', c, e + w)
+			n = seen
+		end
+		local ptotal = num(p)
+		if prev >= 0 and e > now then
+			local was = redis.call('HGET', q, inst)
+			ptotal = fields(q) + prev
+			if was then
+				ptotal = ptotal - (tonumber(string.match(was, '^(%-?%d+)')) or 0)
+			end
+			redis.call('HSET', q, inst, prev)
+			redis.call('PEXPIREAT', q, e)
+			redis.call('SET', p, ptotal)
+			redis.call('PEXPIREAT', p, e)
+		end
+		if refused > 0 then
+			if type(redis.pcall('INCRBY', r, refused)) == 'table' then
+				redis.call('SET', r, refused)
+			end
+			redis.call('PEXPIREAT', r, e)
+		end
+		local ban = 0
+		if ARGV[a + 5] == '1' then
+			ban = math.max(redis.call('PTTL', b), 0)
+		end
+		out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = total, n, ptotal, ban, res
+	end
+end
+return out

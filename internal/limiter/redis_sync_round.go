@@ -1,0 +1,391 @@
+package limiter
+
+import (
+	"context"
+	"crypto/rand"
+	_ "embed"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// syncScript writes an instance's counts of the keys it touched and reads
+// the fleet's back: see redis_sync.lua.
+//
+//go:embed redis_sync.lua
+var syncSource string
+
+var syncScript = redis.NewScript(syncSource)
+
+// fleetScript records that an instance synced now and returns how many
+// did within the horizon (KEYS[1] the zone's sorted set of instances;
+// ARGV: now in ms, the instance's id, the horizon in ms).
+var fleetScript = redis.NewScript(`
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[3]))
+return redis.call('ZCARD', KEYS[1])
+`)
+
+const (
+	// syncBatch is how many keys one script call carries at most.
+	syncBatch = 200
+	// syncTrip is how many keys one round trip (a pipeline of batches)
+	// carries at most: a round with more makes several, each within the
+	// store's timeout.
+	syncTrip = 10 * syncBatch
+	// syncFleetRounds is how many intervals an instance counts in the
+	// fleet after its last round.
+	syncFleetRounds = 3
+	// syncSweepEvery is how often the table drops the keys whose windows
+	// have ended.
+	syncSweepEvery = time.Second
+)
+
+// syncItem is one key's part of a round: what it sends, and the entry that
+// takes what it reads.
+type syncItem struct {
+	e     *syncEntry
+	shard int
+	base  string
+	// end and window name the window mine counts; prev is the count of
+	// the window before (-1: not sent); refused the refusals to tally.
+	end, window, mine, prev, refused int64
+	bans                             bool
+	// max is the limit's; waiting is true for the instance's first two
+	// rounds of the window; weighs is what a sliding window's previous
+	// count weighs now, in whole units.
+	max, weighs int64
+	waiting     bool
+}
+
+// runSync runs the sync loop until ctx ends: a round every interval while
+// Redis is not DEGRADED (the health probe brings it back), and a sweep of
+// the table every second. Nothing connects before the store is used.
+func (s *RedisStore) runSync(ctx context.Context) {
+	y := s.sync
+	select {
+	case <-ctx.Done():
+		return
+	case <-s.used:
+	}
+	y.started.Store(time.Now().UnixNano())
+	tick := time.NewTicker(y.interval)
+	defer tick.Stop()
+	swept := time.Now()
+	for {
+		start := time.Now()
+		y.next.Store(start.Add(y.interval).UnixNano())
+		if s.state.Load() != stateDegraded {
+			s.syncRound(ctx, start)
+		}
+		y.setReady()
+		if now := time.Now(); now.Sub(swept) >= syncSweepEvery {
+			y.sweep(now.UnixMilli())
+			swept = now
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// syncRound sends the counts of every key touched since the last round and
+// takes the fleet's back, in round trips of at most syncTrip keys. A round
+// trip that fails leaves its keys to the next round (their counts are
+// absolute: sending them twice counts nothing twice) and counts against
+// the store's health.
+func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
+	y := s.sync
+	items := y.collect(s, start.UnixMilli())
+	bans := y.takeBans()
+	first := true
+	for len(items) > 0 || first {
+		trip := items[:min(len(items), syncTrip)]
+		items = items[len(trip):]
+		err := s.syncTrip(ctx, trip, first, bans, start)
+		if err != nil {
+			y.requeue(trip)
+			y.requeue(items)
+			if first {
+				y.bansMu.Lock()
+				y.bans = append(bans, y.bans...)
+				y.bansMu.Unlock()
+			}
+			if ctx.Err() == nil {
+				s.failed(err)
+				s.logger.Debug("redis sync round", zap.Error(err))
+			}
+			return
+		}
+		if first {
+			y.lastOK.Store(start.UnixNano())
+		}
+		first = false
+		s.succeeded()
+	}
+}
+
+// syncTrip is one round trip: the fleet's roll call and the round's bans
+// with the first, then the keys' batches (one per Cluster slot on a
+// Cluster).
+func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, first bool, bans []Check, start time.Time) error {
+	y := s.sync
+	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+	defer cancel()
+	ms := start.UnixMilli()
+	pipe := s.client.Pipeline()
+	var fleet *redis.Cmd
+	var banCmds []*redis.Cmd
+	if first {
+		horizon := int64(syncFleetRounds) * max(y.interval.Milliseconds(), 1)
+		fleet = fleetScript.EvalSha(ctx, pipe, []string{s.prefix + "fleet"}, ms, y.id, horizon)
+		for _, c := range bans {
+			base := s.base(c.Name, s.tag(c.Key))
+			banCmds = append(banCmds, banScript.EvalSha(ctx, pipe, []string{base + "b", base + "s", base + "r"},
+				c.Limit.Ban.Milliseconds(), c.Limit.BanMax.Milliseconds()))
+		}
+	}
+	batches := y.batches(s, items)
+	cmds := make([]*redis.Cmd, len(batches))
+	for i, b := range batches {
+		cmds[i] = s.syncCmd(ctx, pipe, b, ms)
+	}
+	_, err := pipe.Exec(ctx)
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		// Redis lost its scripts (a restart): load them and send again,
+		// which writes the same counts.
+		for _, sc := range []*redis.Script{fleetScript, banScript, syncScript} {
+			if err := sc.Load(ctx, s.client).Err(); err != nil {
+				return err
+			}
+		}
+		return s.syncTrip(ctx, items, first, bans, start)
+	}
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return err
+	}
+	y.stats.roundTrips.Add(1)
+	if fleet != nil {
+		if n, err := fleet.Int64(); err == nil {
+			y.fleet.Store(max(n, 1))
+		}
+	}
+	for i, cmd := range banCmds {
+		if b, err := cmd.Int64(); err == nil {
+			y.banned(&bans[i], start, b)
+		}
+	}
+	for i, b := range batches {
+		res, err := cmd64s(cmds[i])
+		if err != nil || len(res) != 5*len(b) {
+			return fmt.Errorf("redis sync script: %d values for %d keys: %v", len(res), len(b), err)
+		}
+		y.stats.batches.Add(1)
+		y.stats.keys.Add(uint64(len(b)))
+		for j := range b {
+			y.apply(&b[j], res[5*j:5*j+5], start)
+		}
+	}
+	return nil
+}
+
+// syncCmd queues the script call of one batch on pipe.
+func (s *RedisStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.Cmd {
+	keys := make([]string, 0, 6*len(b))
+	args := make([]any, 0, 4+9*len(b))
+	args = append(args, ms, s.sync.id, s.sync.fleet.Load(), flag(s.sync.spend == SyncShare))
+	for i := range b {
+		it := &b[i]
+		keys = append(keys, it.base+"c", it.base+"p", it.base+"h", it.base+"q", it.base+"r", it.base+"b")
+		args = append(args, it.end, it.window, it.mine, it.prev, it.refused, flag(it.bans), it.max, flag(it.waiting), it.weighs)
+	}
+	return syncScript.EvalSha(ctx, pipe, keys, args...)
+}
+
+// flag is a script's boolean argument.
+func flag(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// cmd64s reads a script's reply of integers.
+func cmd64s(cmd *redis.Cmd) ([]int64, error) {
+	vals, err := cmd.Slice()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]int64, len(vals))
+	for i, v := range vals {
+		n, ok := v.(int64)
+		if !ok {
+			return nil, fmt.Errorf("script reply holds %T, not an integer", v)
+		}
+		out[i] = n
+	}
+	return out, nil
+}
+
+// batches splits a round trip's items into script calls: on a Cluster, one
+// or more per slot, since a script's keys must share one.
+func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
+	var out [][]syncItem
+	if _, cluster := s.client.(*redis.ClusterClient); !cluster {
+		for len(items) > 0 {
+			n := min(len(items), syncBatch)
+			out = append(out, items[:n])
+			items = items[n:]
+		}
+		return out
+	}
+	bySlot := make(map[uint16]int) // slot → index in out of its open batch
+	for _, it := range items {
+		slot := clusterSlot(it.base)
+		i, ok := bySlot[slot]
+		if !ok || len(out[i]) >= syncBatch {
+			i = len(out)
+			bySlot[slot] = i
+			out = append(out, nil)
+		}
+		out[i] = append(out[i], it)
+	}
+	return out
+}
+
+// collect takes the keys touched since the last round (every key of a
+// running window after Redis came back) and what each sends.
+func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
+	all := y.resend.Swap(false)
+	var items []syncItem
+	for i := range y.shards {
+		sh := &y.shards[i]
+		sh.mu.Lock()
+		if all {
+			for _, e := range sh.m {
+				if e.end > ms || e.prevMine != e.prevSent {
+					sh.touch(e)
+				}
+			}
+		}
+		for _, e := range sh.dirty {
+			e.dirty = false
+			if e.gone {
+				continue
+			}
+			if e.tag == "" {
+				e.tag = s.tag(e.key)
+			}
+			it := syncItem{
+				e: e, shard: i, base: s.base(e.name, e.tag),
+				end: e.end, window: e.window, mine: e.mine, prev: -1,
+				refused: e.refused, bans: e.bans,
+				max: e.max, waiting: e.rounds < 2,
+			}
+			if e.sliding {
+				prev := e.prevFleet + e.prevMine - e.prevSent
+				it.weighs = int64(math.Ceil(float64(prev) * min(max(float64(e.end-ms)/float64(e.window), 0), 1)))
+			}
+			if e.prevMine != e.prevSent {
+				it.prev = e.prevMine
+			}
+			e.refused = 0
+			items = append(items, it)
+		}
+		clear(sh.dirty)
+		sh.dirty = sh.dirty[:0]
+		sh.mu.Unlock()
+	}
+	return items
+}
+
+// requeue gives the items of a failed round trip back to the next round.
+func (y *syncTable) requeue(items []syncItem) {
+	for i := range items {
+		it := &items[i]
+		sh := &y.shards[it.shard]
+		sh.mu.Lock()
+		if !it.e.gone {
+			it.e.refused += it.refused
+			sh.touch(it.e)
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// apply takes what a round read of one key: the fleet's counts, the
+// instances counting it, and its ban.
+func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
+	sh := &y.shards[it.shard]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := it.e
+	if e.gone {
+		return
+	}
+	total, members, prevTotal, ban, reserved := r[0], r[1], r[2], r[3], r[4]
+	if ban > 0 {
+		e.banUntil = max(e.banUntil, start.Add(time.Duration(ban)*time.Millisecond).UnixNano())
+	}
+	if total < 0 {
+		// Redis had left the window behind: its counts are dropped.
+		y.drop(it.mine-e.sentOf(it.end), it.prev)
+		return
+	}
+	switch e.end {
+	case it.end:
+		e.sent, e.fleet, e.members = it.mine, total, members
+		e.rounds++
+		if it.prev >= 0 {
+			e.prevSent = it.prev
+		}
+		e.prevFleet = prevTotal
+		// What the round reserved this instance, from what it had
+		// admitted when the round started.
+		e.budget, e.budgetFrom = reserved, it.mine
+	case it.end + it.window:
+		// The key's window rolled while the round was away: what it read
+		// is now the previous window's.
+		e.prevSent, e.prevFleet = it.mine, total
+	}
+}
+
+// sentOf returns what e's window ending at end had sent.
+func (e *syncEntry) sentOf(end int64) int64 {
+	if end == e.end {
+		return e.sent
+	}
+	return e.prevSent
+}
+
+// takeBans takes the violations queued since the last round.
+func (y *syncTable) takeBans() []Check {
+	y.bansMu.Lock()
+	defer y.bansMu.Unlock()
+	b := y.bans
+	y.bans = nil
+	return b
+}
+
+// banned records the ban Redis set for a violation (ms milliseconds from
+// start).
+func (y *syncTable) banned(c *Check, start time.Time, ms int64) {
+	ck := cacheKey(c.Name, c.Key)
+	sh := &y.shards[y.shardOf(ck)]
+	sh.mu.Lock()
+	if e := sh.m[ck]; e != nil {
+		e.banUntil = start.Add(time.Duration(ms) * time.Millisecond).UnixNano()
+	}
+	sh.mu.Unlock()
+}
+
+// newInstanceID returns an id for this instance's counts in Redis, unique
+// among the instances sharing a zone.
+func newInstanceID() string { return rand.Text()[:13] }
