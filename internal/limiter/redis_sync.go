@@ -47,6 +47,7 @@ type syncTable struct {
 	cap    atomic.Int64 // keys held at most (max_tracked)
 
 	fleet   atomic.Int64 // instances that synced recently, this one included
+	rank    atomic.Int64 // this one's rank among them by id, from 0
 	next    atomic.Int64 // when the next round starts (Unix ns)
 	resend  atomic.Bool  // the next round sends every key of a running window
 	bansMu  sync.Mutex
@@ -206,14 +207,20 @@ func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
 }
 
 // prior sets e's budget before a round has read its window: its share of
-// what the previous window leaves, among the instances that synced
-// recently.
+// what the previous window leaves among the instances that synced
+// recently. The shares add up to what is left: the first instances by id
+// take one more unit each of what does not divide evenly.
 func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
-	left := float64(l.Max)
+	left := int64(l.Max)
 	if l.Sliding {
-		left -= l.sliding(e.prevFleet+e.prevMine-e.prevSent, 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))
+		left -= int64(math.Ceil(l.sliding(e.prevFleet+e.prevMine-e.prevSent, 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))))
 	}
-	e.budget = int64(math.Ceil(max(left, 0) / float64(max(y.fleet.Load(), 1))))
+	left = max(left, 0)
+	n := max(y.fleet.Load(), 1)
+	e.budget = left / n
+	if y.rank.Load() < left%n {
+		e.budget++
+	}
 	e.budgetFrom = 0
 }
 

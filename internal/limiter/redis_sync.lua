@@ -50,10 +50,10 @@ local function num(k)
 	return 0
 end
 
--- fields returns the instances' counts in hash hk, summed, what the others
--- reserved, summed, and how many instances there are; a key under hk that
+-- others returns the other instances' counts in hash hk, summed, what
+-- they hold reserved, summed, and how many they are; a key under hk that
 -- is not a hash (a hand-made SET) goes.
-local function fields(hk)
+local function others(hk)
 	local all = redis.pcall('HGETALL', hk)
 	if all.err then
 		redis.call('DEL', hk)
@@ -61,14 +61,23 @@ local function fields(hk)
 	end
 	local total, held, n = 0, 0, 0
 	for j = 1, #all, 2 do
-		local count, reserved = string.match(all[j + 1], '^(%-?%d+)/?(%d*)$')
-		total = total + (tonumber(count) or 0)
 		if all[j] ~= inst then
+			local count, reserved = string.match(all[j + 1], '^(%-?%d+)/?(%d*)$')
+			total = total + (tonumber(count) or 0)
 			held = held + (tonumber(reserved) or 0)
+			n = n + 1
 		end
-		n = n + 1
 	end
 	return total, held, n
+end
+
+-- put writes the instance's field of hash hk and the fleet's count into
+-- ck, both expiring at exp.
+local function put(ck, hk, count, field, exp)
+	redis.call('HSET', hk, inst, field)
+	redis.call('PEXPIREAT', hk, exp)
+	redis.call('SET', ck, count)
+	redis.call('PEXPIREAT', ck, exp)
 end
 
 local out = {}
@@ -78,10 +87,10 @@ for i = 1, #KEYS / 6 do
 	local e, w = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
 	local mine, prev, refused = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
 	local max, waiting, weighs = tonumber(ARGV[a + 6]), ARGV[a + 7] == '1', tonumber(ARGV[a + 8])
-	local ttl = redis.call('PTTL', c)
-	-- The end of the window the count key counts.
-	local held = now + ttl - w
-	local ended = false
+	-- at is the window the count key counts, from the instance's: 0 the
+	-- same (or none yet), -1 the one before, 1 the one after. The key
+	-- expires a window after its window ends.
+	local ttl, at = redis.call('PTTL', c), 0
 	if ttl == -2 then
 		-- No count: a new window (a previous count, if any, is the
 		-- previous window's: it expires when this one ends).
@@ -89,78 +98,72 @@ for i = 1, #KEYS / 6 do
 		-- Not this script's, or written under a longer window (a reload
 		-- shortened it): the counts start afresh.
 		redis.call('DEL', c, p, h, q)
-	elseif math.abs(held - e) * 2 < w then
-		-- The instance's window.
-	elseif math.abs(held - (e - w)) * 2 < w then
-		-- The window before: it becomes the previous count, and expires
-		-- as it should, when the instance's window ends.
-		redis.call('RENAME', c, p)
-		if redis.call('EXISTS', h) == 1 then
-			redis.call('RENAME', h, q)
-		else
-			redis.call('DEL', q)
-		end
-	elseif held > e then
-		ended = true -- Redis counts a later window
 	else
-		redis.call('DEL', c, p, h, q) -- an older window
-	end
-	if ended then
-		out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = -1, 0, 0, 0, 0
-	else
-		local total, others, n = fields(h)
-		local res = 0
-		if mine >= 0 then
-			-- This instance's field is replaced: its count and what it
-			-- held.
-			local was, seen = redis.call('HGET', h, inst), n
-			if was then
-				total = total - (tonumber(string.match(was, '^(%-?%d+)')) or 0)
+		at = math.floor((now + ttl - w - e) / w + 0.5)
+		if at == -1 then
+			-- The count becomes the previous count, and expires as it
+			-- should, when the instance's window ends.
+			redis.call('RENAME', c, p)
+			if redis.call('EXISTS', h) == 1 then
+				redis.call('RENAME', h, q)
 			else
-				seen = n + 1
+				redis.call('DEL', q)
 			end
-			total = total + mine
+			at = 0
+		elseif at < -1 then
+			redis.call('DEL', c, p, h, q) -- an older window
+			at = 0
+		end
+	end
+	local total, n, ptotal, res = -1, 0, 0, 0
+	if at == 0 then
+		if mine >= 0 then
+			local counted, held
+			counted, held, n = others(h)
+			total, n = counted + mine, n + 1
 			if share then
-				local free = max - weighs - total - others
-				local div = seen
+				-- This instance's share of what no other instance
+				-- holds (what it held itself is free again).
+				local free, div = max - weighs - total - held, n
 				if waiting then
 					local first = math.ceil(math.max(max - weighs, 0) / fleet)
-					free = free - math.max(fleet - seen, 0) * first
-					div = math.max(fleet, seen)
+					free = free - math.max(fleet - n, 0) * first
+					div = math.max(fleet, n)
 				end
 				if free > 0 then
 					res = math.ceil(free / div)
 				end
 			end
-			redis.call('HSET', h, inst, mine .. '/' .. res)
-			redis.call('PEXPIREAT', h, e + w)
-			redis.call('SET', c, total)
-			redis.call('PEXPIREAT', c, e + w)
-			n = seen
+			put(c, h, total, mine .. '/' .. res, e + w)
+		else
+			total, n = num(c), redis.call('HLEN', h)
 		end
-		local ptotal = num(p)
+		ptotal = num(p)
 		if prev >= 0 and e > now then
-			local was = redis.call('HGET', q, inst)
-			ptotal = fields(q) + prev
-			if was then
-				ptotal = ptotal - (tonumber(string.match(was, '^(%-?%d+)')) or 0)
-			end
-			redis.call('HSET', q, inst, prev)
-			redis.call('PEXPIREAT', q, e)
-			redis.call('SET', p, ptotal)
-			redis.call('PEXPIREAT', p, e)
+			ptotal = others(q) + prev
+			put(p, q, ptotal, prev, e)
 		end
-		if refused > 0 then
-			if type(redis.pcall('INCRBY', r, refused)) == 'table' then
-				redis.call('SET', r, refused)
-			end
-			redis.call('PEXPIREAT', r, e)
+	elseif at == 1 then
+		-- Redis counts the next window already: the instance's is the
+		-- previous one (a count for the one before that is dropped).
+		if mine >= 0 then
+			total = others(q) + mine
+			put(p, q, total, mine, e + w)
+		else
+			total = num(p)
 		end
-		local ban = 0
-		if ARGV[a + 5] == '1' then
-			ban = math.max(redis.call('PTTL', b), 0)
-		end
-		out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = total, n, ptotal, ban, res
+		n = redis.call('HLEN', q)
 	end
+	if total >= 0 and refused > 0 then
+		if type(redis.pcall('INCRBY', r, refused)) == 'table' then
+			redis.call('SET', r, refused)
+		end
+		redis.call('PEXPIREAT', r, e)
+	end
+	local ban = 0
+	if ARGV[a + 5] == '1' then
+		ban = math.max(redis.call('PTTL', b), 0)
+	end
+	out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = total, n, ptotal, ban, res
 end
 return out

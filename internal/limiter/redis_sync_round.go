@@ -22,13 +22,20 @@ var syncSource string
 var syncScript = redis.NewScript(syncSource)
 
 // fleetScript records that an instance synced now and returns how many
-// did within the horizon (KEYS[1] the zone's sorted set of instances;
-// ARGV: now in ms, the instance's id, the horizon in ms).
+// did within the horizon and the instance's rank among them by id (KEYS[1]
+// the zone's sorted set of instances; ARGV: now in ms, the instance's id,
+// the horizon in ms).
 var fleetScript = redis.NewScript(`
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[3]))
 redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[3]))
-return redis.call('ZCARD', KEYS[1])
+local rank = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+	if id < ARGV[2] then
+		rank = rank + 1
+	end
+end
+return {redis.call('ZCARD', KEYS[1]), rank}
 `)
 
 const (
@@ -173,8 +180,9 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, first bool,
 	}
 	y.stats.roundTrips.Add(1)
 	if fleet != nil {
-		if n, err := fleet.Int64(); err == nil {
-			y.fleet.Store(max(n, 1))
+		if r, err := cmd64s(fleet); err == nil && len(r) == 2 {
+			y.fleet.Store(max(r[0], 1))
+			y.rank.Store(r[1])
 		}
 	}
 	for i, cmd := range banCmds {

@@ -1,0 +1,397 @@
+package tests
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// syncZone is a site block of one rate_limit handler in sync mode at path,
+// keyed by the X-Client header.
+func syncZone(path, zone, window string, maxN int, addrs []string, sync string) string {
+	return fmt.Sprintf(`
+	handle %s {
+		rate_limit {
+			zone %s
+			window %s
+			max %d
+			key {http.request.header.X-Client}
+			store redis {
+				address %s
+				timeout 1s
+				sync %s
+			}
+		}
+		respond "ok"
+	}`, path, zone, window, maxN, strings.Join(addrs, " "), sync)
+}
+
+// untilWindowLeft waits, when less than need is left of the window of
+// length w in progress, for the next one: sync mode aligns windows to the
+// clock.
+func untilWindowLeft(w, need time.Duration) {
+	if left := w - time.Duration(time.Now().UnixNano()%int64(w)); left < need {
+		time.Sleep(left + 20*time.Millisecond)
+	}
+}
+
+// syncGet sends one request for key to base+path and returns its status
+// and the end of its window (the Reset header, Unix seconds).
+func syncGet(t *testing.T, base, path, key string) (int, int64) {
+	req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+	req.Header.Set("X-Client", key)
+	resp, err := loadClient.Do(req)
+	if err != nil {
+		t.Error(err)
+		return 0, 0
+	}
+	resp.Body.Close()
+	reset, _ := strconv.ParseInt(resp.Header.Get("X-RateLimit-Reset"), 10, 64)
+	return resp.StatusCode, reset
+}
+
+// warmUp sends one request to each path of each instance, which starts
+// its syncs, and waits three intervals (of 100ms): then every instance
+// knows the fleet. (An instance counts the fleet from its first sync: a
+// fleet started at once spends, in its first interval, as if each
+// instance were alone.)
+func warmUp(t *testing.T, bases []string, paths ...string) {
+	for _, base := range bases {
+		for _, p := range paths {
+			if st, _ := syncGet(t, base, p, "warm-up"); st != http.StatusOK && st != http.StatusTooManyRequests {
+				t.Fatalf("warm-up: %d", st)
+			}
+		}
+	}
+	time.Sleep(400 * time.Millisecond)
+}
+
+// redisCount returns the fleet's count of key in zone as Redis holds it.
+func redisCount(t *testing.T, c redis.UniversalClient, zone, key string) int64 {
+	n, err := c.Get(context.Background(), "caddy_rate_limit:"+zone+":{key:"+key+"}:c").Int64()
+	if err != nil && err != redis.Nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// 2 and 4 Caddy instances on one redis-server, clients hammering one key
+// (max 100, window 10s, sync 100ms) through all of them for a second: with
+// sync share the fleet admits within max + (N-1)·⌈max/N⌉ (the bound of
+// docs/redis.md), with sync all (the naive scheme, each instance spending
+// all it last saw) within max + (N-1)·max; both figures are printed side by
+// side. Redis then holds exactly what the fleet admitted.
+func TestSyncFleetOneKey(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	const maxN, clients = 100, 6
+	for _, n := range []int{2, 4} {
+		t.Run(fmt.Sprintf("%d instances", n), func(t *testing.T) {
+			zone := func(spend string) string { return fmt.Sprintf("e2e-sync-%d-%s", n, spend) }
+			site := ":$PORT {" +
+				syncZone("/share", zone("share"), "10s", maxN, []string{srv.Addr}, "100ms share") +
+				syncZone("/all", zone("all"), "10s", maxN, []string{srv.Addr}, "100ms all") + "\n}"
+			bases := make([]string, n)
+			for i := range bases {
+				bases[i] = startCaddyProcess(t, site)
+			}
+			warmUp(t, bases, "/share", "/all")
+			untilWindowLeft(10*time.Second, 3*time.Second)
+			admitted := map[string]int64{}
+			for _, spend := range []string{"share", "all"} {
+				var ok, other atomic.Int64
+				var wg sync.WaitGroup
+				stop := time.Now().Add(time.Second)
+				for _, base := range bases {
+					for range clients {
+						wg.Go(func() {
+							for time.Now().Before(stop) {
+								switch st, _ := syncGet(t, base, "/"+spend, "hammered"); st {
+								case http.StatusOK:
+									ok.Add(1)
+								case http.StatusTooManyRequests:
+								default:
+									other.Add(1)
+								}
+							}
+						})
+					}
+				}
+				wg.Wait()
+				if other.Load() != 0 {
+					t.Errorf("sync %s: %d responses neither 200 nor 429", spend, other.Load())
+				}
+				admitted[spend] = ok.Load()
+			}
+			time.Sleep(300 * time.Millisecond) // every instance's last counts reach Redis
+			shareBound := maxN + (n-1)*((maxN+n-1)/n)
+			allBound := maxN + (n-1)*maxN
+			t.Logf("%d instances, max %d: sync share admitted %d (bound %d), sync all (naive) admitted %d (bound %d)",
+				n, maxN, admitted["share"], shareBound, admitted["all"], allBound)
+			if got := admitted["share"]; got < maxN || got > int64(shareBound) {
+				t.Errorf("sync share admitted %d: want from %d to %d", got, maxN, shareBound)
+			}
+			if got := admitted["all"]; got < maxN || got > int64(allBound) {
+				t.Errorf("sync all admitted %d: want from %d to %d", got, maxN, allBound)
+			}
+			for _, spend := range []string{"share", "all"} {
+				if got := redisCount(t, rdb, zone(spend), "hammered"); got != admitted[spend] {
+					t.Errorf("sync %s: Redis holds %d, the fleet admitted %d", spend, got, admitted[spend])
+				}
+			}
+		})
+	}
+}
+
+// 100,000 keys spread over 2 instances on one redis-server: when each
+// window ends, Redis holds exactly what the fleet admitted in it.
+func TestSyncExactManyKeys(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{srv.Addr}})
+	defer rdb.Close()
+	testSyncExact(t, "e2e-sync-exact", []string{srv.Addr}, rdb, 100_000)
+}
+
+// The same exactness on a three-master Redis Cluster: each batch is one
+// slot's.
+func TestSyncExactCluster(t *testing.T) {
+	addrs := redistest.StartCluster(t)
+	rdb := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: addrs})
+	defer rdb.Close()
+	testSyncExact(t, "e2e-sync-cluster", addrs, rdb, 100_000)
+}
+
+// testSyncExact sends, for each of keys keys, one request through each of
+// two instances at once (max 1: the fleet admits one), and checks, as each
+// window the responses name ends, that Redis holds for every key what the
+// fleet admitted of it in that window, and that no key was admitted twice.
+func testSyncExact(t *testing.T, zone string, addrs []string, rdb redis.UniversalClient, keys int) {
+	const window = 10 * time.Second
+	site := ":$PORT {" + syncZone("/", zone, "10s", 1, addrs, "100ms") + "\n}"
+	bases := []string{startCaddyProcess(t, site), startCaddyProcess(t, site)}
+	warmUp(t, bases, "/")
+	var mu sync.Mutex
+	admitted := map[int64]map[string]int64{} // window end → key → admitted
+	var refused, total atomic.Int64
+	next := atomic.Int64{}
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range 32 {
+		wg.Go(func() {
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(keys) {
+					return
+				}
+				key := "k" + strconv.FormatInt(i, 10)
+				var pair sync.WaitGroup
+				for _, base := range bases {
+					pair.Go(func() {
+						st, reset := syncGet(t, base, "/", key)
+						total.Add(1)
+						switch st {
+						case http.StatusOK:
+							mu.Lock()
+							if admitted[reset] == nil {
+								admitted[reset] = map[string]int64{}
+							}
+							admitted[reset][key]++
+							mu.Unlock()
+						case http.StatusTooManyRequests:
+							refused.Add(1)
+						default:
+							t.Errorf("key %s: status %d", key, st)
+						}
+					})
+				}
+				pair.Wait()
+			}
+		})
+	}
+	go func() { wg.Wait(); close(done) }()
+	// Each window is checked once it has ended and the instances have
+	// synced, while its keys live (a window after its end).
+	checked := map[int64]bool{}
+	var sumWant, sumGot int64
+	for finished := false; ; {
+		select {
+		case <-done:
+			finished = true
+		case <-time.After(100 * time.Millisecond):
+		}
+		mu.Lock()
+		var due []int64
+		last := int64(0)
+		for end := range admitted {
+			last = max(last, end)
+			if !checked[end] && time.Now().After(time.Unix(end, 0).Add(checkAfter)) {
+				due = append(due, end)
+			}
+		}
+		mu.Unlock()
+		for _, end := range due {
+			checked[end] = true
+			mu.Lock()
+			counts := admitted[end]
+			mu.Unlock()
+			want, got := checkWindow(t, rdb, zone, end, window, counts)
+			sumWant += want
+			sumGot += got
+		}
+		if finished && len(checked) == len(admitted) {
+			break
+		}
+		if finished && last != 0 {
+			time.Sleep(time.Until(time.Unix(last, 0).Add(checkAfter)))
+		}
+	}
+	t.Logf("%d requests for %d keys in %s: %d admitted, %d refused; Redis held %d in all",
+		total.Load(), keys, time.Since(start).Round(time.Millisecond), sumWant, refused.Load(), sumGot)
+}
+
+// checkAfter is how long after its end a window is checked: a few sync
+// intervals, for the last round trips of a loaded machine.
+const checkAfter = time.Second
+
+// checkWindow compares what Redis holds for the window ending at end (Unix
+// seconds) with counts, what the fleet admitted of each key in it, and
+// returns both sums. A key's count is its count key, or its previous count
+// where a request of the next window moved it there.
+func checkWindow(t *testing.T, rdb redis.UniversalClient, zone string, end int64, window time.Duration, counts map[string]int64) (want, got int64) {
+	t.Helper()
+	ctx := context.Background()
+	type row struct {
+		c, p *redis.StringCmd
+		ttl  *redis.DurationCmd
+	}
+	rows := make(map[string]row, len(counts))
+	pipe := rdb.Pipeline()
+	for k := range counts {
+		base := "caddy_rate_limit:" + zone + ":{key:" + k + "}:"
+		rows[k] = row{c: pipe.Get(ctx, base+"c"), ttl: pipe.PTTL(ctx, base+"c"), p: pipe.Get(ctx, base+"p")}
+	}
+	now := time.Now()
+	if _, err := pipe.Exec(ctx); err != nil && err != redis.Nil {
+		t.Fatal(err)
+	}
+	wrong := 0
+	for k, n := range counts {
+		r := rows[k]
+		held, _ := r.c.Int64()
+		// The count key expires a window after the end of its window.
+		if counted := now.Add(r.ttl.Val() - window); counted.Sub(time.Unix(end, 0)).Abs() > window/2 {
+			held, _ = r.p.Int64()
+		}
+		want += n
+		got += held
+		if n > 1 || held != n {
+			if wrong++; wrong <= 5 {
+				t.Errorf("window ending %s, key %s: the fleet admitted %d (max 1), Redis holds %d", time.Unix(end, 0).Format(time.TimeOnly), k, n, held)
+			}
+		}
+	}
+	t.Logf("window ending %s: the fleet admitted %d for %d keys, Redis holds %d", time.Unix(end, 0).Format(time.TimeOnly), want, len(counts), got)
+	if got != want {
+		t.Errorf("window ending %s: Redis holds %d, the fleet admitted %d", time.Unix(end, 0).Format(time.TimeOnly), got, want)
+	}
+	return want, got
+}
+
+// Redis killed under traffic and restarted: no request fails, the zone
+// reports DEGRADED meanwhile, and once Redis is back the instances push
+// the running window's counts again, so that Redis holds all the fleet
+// admitted in it, before the outage too.
+func TestSyncRedisRestart(t *testing.T) {
+	srv := redistest.StartReal(t, "the test kills and restarts the server")
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	const zone = "e2e-sync-restart"
+	site := ":$PORT {" + syncZone("/", zone, "10s", 1000, []string{srv.Addr}, "100ms") + "\n}"
+	a := startCaddy(t, "", site)
+	bases := []string{a.Base, startCaddyProcess(t, site)}
+	untilWindowLeft(10*time.Second, 6*time.Second)
+	admitted := make([]atomic.Int64, 20)
+	var failed atomic.Int64
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for c := range 8 {
+		wg.Go(func() {
+			for i := c; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				k := i % len(admitted)
+				switch st, _ := syncGet(t, bases[i%2], "/", "k"+strconv.Itoa(k)); st {
+				case http.StatusOK:
+					admitted[k].Add(1)
+				default:
+					failed.Add(1)
+				}
+				time.Sleep(2 * time.Millisecond)
+			}
+		})
+	}
+	time.Sleep(time.Second)
+	srv.Stop()
+	degraded := eventually(func() bool { return zoneHealth(t, zone) == "DEGRADED" })
+	time.Sleep(500 * time.Millisecond)
+	srv.Restart()
+	healthy := eventually(func() bool { return zoneHealth(t, zone) == "HEALTHY" })
+	time.Sleep(500 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	time.Sleep(300 * time.Millisecond)
+	if !degraded || !healthy {
+		t.Errorf("the zone reported DEGRADED while Redis was away: %t; HEALTHY once it was back: %t", degraded, healthy)
+	}
+	if failed.Load() != 0 {
+		t.Errorf("%d requests failed (all should be admitted: max 1000)", failed.Load())
+	}
+	var want, got int64
+	for k := range admitted {
+		n := redisCount(t, rdb, zone, "k"+strconv.Itoa(k))
+		want += admitted[k].Load()
+		got += n
+		if n != admitted[k].Load() {
+			t.Errorf("key k%d: Redis holds %d, the fleet admitted %d", k, n, admitted[k].Load())
+		}
+	}
+	t.Logf("admitted %d across the outage, Redis holds %d, %d failed", want, got, failed.Load())
+}
+
+// zoneHealth returns the health the in-process instance's admin API
+// reports for zone.
+func zoneHealth(t *testing.T, zone string) string {
+	status, body := admin(t, http.MethodGet, "/rate_limit/")
+	if status != http.StatusOK {
+		return ""
+	}
+	var zones []struct {
+		Name   string `json:"name"`
+		Health string `json:"health"`
+	}
+	if err := json.Unmarshal([]byte(body), &zones); err != nil {
+		t.Fatalf("zones: %v: %s", err, body)
+	}
+	for _, z := range zones {
+		if z.Name == zone {
+			return z.Health
+		}
+	}
+	return ""
+}
