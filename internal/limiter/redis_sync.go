@@ -44,7 +44,10 @@ type syncTable struct {
 	seed   maphash.Seed
 	shards [syncShards]syncShard
 	len    atomic.Int64 // keys held
-	cap    atomic.Int64 // keys held at most (max_tracked)
+	cap    atomic.Int64 // keys held at most (max_tracked), past one interval's new keys
+	// fifo holds the entries in the order they were added, for trim.
+	fifoMu sync.Mutex
+	fifo   []*syncEntry
 
 	fleet   atomic.Int64 // instances that synced recently, this one included
 	rank    atomic.Int64 // this one's rank among them by id, from 0
@@ -90,7 +93,6 @@ type syncShard struct {
 	mu    sync.Mutex
 	m     map[string]*syncEntry // by cacheKey(name, key)
 	dirty []*syncEntry          // touched since the last round
-	order []*syncEntry          // in the order they were added, for eviction
 }
 
 // syncEntry is one key of one limit. Times are Unix milliseconds.
@@ -142,12 +144,11 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 	end := (ms/w + 1) * w
 	e := sh.m[ck]
 	if e == nil {
-		if y.len.Load() >= y.cap.Load() {
-			y.evict(sh)
-		}
 		e = &syncEntry{name: strings.Clone(c.Name), key: strings.Clone(c.Key), window: w, end: end}
 		sh.m[strings.Clone(ck)] = e
-		sh.order = append(sh.order, e)
+		y.fifoMu.Lock()
+		y.fifo = append(y.fifo, e)
+		y.fifoMu.Unlock()
 		y.len.Add(1)
 		y.prior(e, &c.Limit, ms)
 	}
@@ -183,19 +184,28 @@ func (y *syncTable) drop(units ...int64) {
 	}
 }
 
-// evict makes room in the table by dropping sh's oldest entry (the sweep
-// drops expired ones first: this one may have counts Redis lacks).
-func (y *syncTable) evict(sh *syncShard) {
-	for len(sh.order) > 0 {
-		e := sh.order[0]
-		sh.order[0] = nil
-		sh.order = sh.order[1:]
-		if e.gone {
-			continue
+// trim drops the oldest entries until the table holds at most cap, with
+// the counts they had not sent (while Redis is away): it runs every
+// interval, so the table grows past cap by one interval's new keys at
+// most.
+func (y *syncTable) trim() {
+	for y.len.Load() > y.cap.Load() {
+		y.fifoMu.Lock()
+		if len(y.fifo) == 0 {
+			y.fifoMu.Unlock()
+			return
 		}
-		y.remove(sh, e)
-		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
-		return
+		e := y.fifo[0]
+		y.fifo[0] = nil
+		y.fifo = y.fifo[1:]
+		y.fifoMu.Unlock()
+		sh := &y.shards[y.shardOf(cacheKey(e.name, e.key))]
+		sh.mu.Lock()
+		if !e.gone {
+			y.remove(sh, e)
+			y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
+		}
+		sh.mu.Unlock()
 	}
 }
 
@@ -418,9 +428,11 @@ func (y *syncTable) sweep(ms int64) {
 				y.remove(sh, e)
 			}
 		}
-		sh.order = slices.DeleteFunc(sh.order, func(e *syncEntry) bool { return e.gone })
 		sh.mu.Unlock()
 	}
+	y.fifoMu.Lock()
+	y.fifo = slices.DeleteFunc(y.fifo, func(e *syncEntry) bool { return e.gone })
+	y.fifoMu.Unlock()
 }
 
 // SyncStats returns the sync loop's figures; ok is false in exact mode.

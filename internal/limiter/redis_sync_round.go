@@ -87,6 +87,7 @@ func (s *RedisStore) runSync(ctx context.Context) {
 	for {
 		start := time.Now()
 		y.next.Store(start.Add(y.interval).UnixNano())
+		y.trim()
 		if s.state.Load() != stateDegraded {
 			s.syncRound(ctx, start)
 		}
@@ -110,6 +111,7 @@ func (s *RedisStore) runSync(ctx context.Context) {
 // the store's health.
 func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
 	y := s.sync
+	y.trim()
 	items := y.collect(s, start.UnixMilli())
 	bans := y.takeBans()
 	first := true

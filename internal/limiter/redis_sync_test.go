@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
@@ -65,9 +67,6 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 				untilWindowStarts(limit.Window, 2*time.Second)
 				waitSynced(t, fleet, time.Now())
 				waitSynced(t, fleet, time.Now())
-				for i, s := range fleet {
-					t.Logf("store %d sees fleet %d", i, s.sync.fleet.Load())
-				}
 				var admitted atomic.Int64
 				var wg sync.WaitGroup
 				stop := time.Now().Add(time.Second)
@@ -103,4 +102,170 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 	}
 }
 
-var _ = strconv.Itoa
+// manualFleet is syncFleet with rounds the test runs (round): the loop's
+// interval is too long to run any after its first.
+func manualFleet(t *testing.T, srv *redistest.Server, n int, opts RedisStoreOptions) []*RedisStore {
+	t.Helper()
+	opts.Sync = MaxSyncInterval
+	fleet := syncFleet(t, []string{srv.Addr}, n, opts)
+	for _, s := range fleet {
+		<-s.sync.ready
+	}
+	return fleet
+}
+
+// round runs one sync round of each store, in order.
+func round(fleet ...*RedisStore) {
+	for _, s := range fleet {
+		s.syncRound(context.Background(), time.Now())
+	}
+}
+
+// count returns what Redis holds for key in s's zone's first limit.
+func count(t *testing.T, s *RedisStore, key string) int64 {
+	t.Helper()
+	n, err := s.client.Get(context.Background(), s.base("", key)+"c").Int64()
+	if err != nil && err != redis.Nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// admit sends n decisions for key to s and returns how many were admitted.
+func admit(t *testing.T, s *RedisStore, key string, limit Limit, n int) int {
+	t.Helper()
+	ok := 0
+	for range n {
+		v, err := s.Hit(context.Background(), key, time.Now(), limit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.Allowed {
+			ok++
+		}
+	}
+	return ok
+}
+
+// An unblock drops the counts every instance had not sent yet: no late
+// count brings the key back. A refund is a lower count.
+func TestRedisSyncUnblockAndRefund(t *testing.T) {
+	srv := redistest.Start(t)
+	fleet := manualFleet(t, srv, 2, RedisStoreOptions{SyncSpend: SyncAll})
+	a, b := fleet[0], fleet[1]
+	listening(t, b, b.client)
+	limit := Limit{Window: time.Minute, Max: 10}
+	untilWindowStarts(limit.Window, 5*time.Second)
+	if got := admit(t, a, "u", limit, 3) + admit(t, b, "u", limit, 2); got != 5 {
+		t.Fatalf("admitted %d of 5", got)
+	}
+	round(a, b)
+	if got := count(t, a, "u"); got != 5 {
+		t.Fatalf("Redis holds %d, want 5", got)
+	}
+	admit(t, a, "u", limit, 2)
+	admit(t, b, "u", limit, 2) // neither sent
+	if found, err := a.Forget(context.Background(), "u"); err != nil || !found {
+		t.Fatalf("forget: %t %v", found, err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for b.Len() != 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond) // b hears of the unblock
+	}
+	round(a, b)
+	if got := count(t, a, "u"); got != 0 {
+		t.Errorf("after the unblock Redis holds %d for the key, want 0: a late count brought it back", got)
+	}
+	// A refund gives back a unit of the window it was admitted in.
+	var out [1]Verdict
+	checks := []Check{{Key: "r", Limit: limit}}
+	if err := a.Decide(context.Background(), checks, time.Now(), out[:]); err != nil || !out[0].Allowed {
+		t.Fatalf("decide: %+v %v", out[0], err)
+	}
+	admit(t, a, "r", limit, 2)
+	round(a)
+	if err := a.Refund(context.Background(), checks, time.Now(), out[:]); err != nil {
+		t.Fatal(err)
+	}
+	round(a)
+	if got := count(t, a, "r"); got != 2 {
+		t.Errorf("after a refund Redis holds %d, want 2", got)
+	}
+}
+
+// A ban started on one instance holds on another from its first round
+// after the key reaches it.
+func TestRedisSyncBanSpreads(t *testing.T) {
+	srv := redistest.Start(t)
+	fleet := manualFleet(t, srv, 2, RedisStoreOptions{})
+	a, b := fleet[0], fleet[1]
+	limit := Limit{Window: time.Minute, Max: 2, Ban: time.Hour}
+	untilWindowStarts(limit.Window, 5*time.Second)
+	if got := admit(t, b, "x", limit, 1); got != 1 {
+		t.Fatalf("b admitted %d of 1", got)
+	}
+	round(a, b)
+	if got := admit(t, a, "x", limit, 3); got != 1 {
+		t.Fatalf("a admitted %d of 3 (its share: 1)", got)
+	}
+	round(a, b)
+	// b hears of the ban at its first round after the key reaches it.
+	admit(t, b, "x", limit, 1)
+	round(b)
+	for name, s := range map[string]*RedisStore{"a": a, "b": b} {
+		v, err := s.Hit(context.Background(), "x", time.Now(), limit)
+		if err != nil || v.Allowed || v.RetryAfter < 59*time.Minute {
+			t.Errorf("%s after the rounds: %+v %v, want a refusal for the hour's ban", name, v, err)
+		}
+	}
+}
+
+// While Redis is away decisions go on in memory, the zone is DEGRADED,
+// the counts it cannot hold past max_tracked are dropped oldest first (and
+// counted); when Redis is back, it gets the running window's counts again,
+// those sent before the restart too.
+func TestRedisSyncOutage(t *testing.T) {
+	srv := redistest.StartReal(t, "the test stops and restarts the server")
+	fleet := manualFleet(t, srv, 1, RedisStoreOptions{MaxTracked: 10, SyncSpend: SyncAll})
+	s := fleet[0]
+	limit := Limit{Window: time.Minute, Max: 10}
+	untilWindowStarts(limit.Window, 10*time.Second)
+	admit(t, s, "sent", limit, 4)
+	round(s)
+	srv.Stop()
+	start := time.Now()
+	for i := range 20 {
+		if got := admit(t, s, "k"+strconv.Itoa(i), limit, 2); got != 2 {
+			t.Fatalf("key %d: admitted %d of 2 while Redis was away", i, got)
+		}
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("40 decisions took %s while Redis was away", d)
+	}
+	for range 3 {
+		round(s)
+	}
+	if s.Health() != HealthDegraded {
+		t.Errorf("health %s after three failed rounds, want %s", s.Health(), HealthDegraded)
+	}
+	st, _ := s.SyncStats(time.Now())
+	if st.Dropped != 10 {
+		// 21 keys, 10 held: the oldest 11 go, of which all but the key
+		// synced before the outage had counts Redis lacks.
+		t.Errorf("dropped %d keys' counts, want 10", st.Dropped)
+	}
+	srv.Restart()
+	deadline := time.Now().Add(10 * time.Second)
+	for s.Health() == HealthDegraded && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // the probe finds Redis back
+	}
+	round(s)
+	for i := 10; i < 20; i++ {
+		if got := count(t, s, "k"+strconv.Itoa(i)); got != 2 {
+			t.Errorf("key k%d: Redis holds %d after the restart, want 2", i, got)
+		}
+	}
+	if got := count(t, s, "k0"); got != 0 {
+		t.Errorf("key k0 (dropped): Redis holds %d", got)
+	}
+}
