@@ -75,6 +75,9 @@ var scenarios = []scenario{
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline on\n\t\t}\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
+	// Sync mode: decisions in memory, the keys touched synced every 100ms.
+	{name: "admitted, 100000 clients, Redis, sync 100ms", clients: 100_000, redis: true,
+		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tsync 100ms\n\t\t}\n\t}"},
 	// The floor of any limiter that asks Redis once per request: the same
 	// round trip (EVALSHA, one key, the same client settings) running
 	// return 1, and no limiter.
@@ -150,7 +153,7 @@ func main() {
 				}
 				r := run(dir, bin, block, sc, lua, *conns, *duration)
 				if sc.redis && side == "B" {
-					log.Printf("%s, round %d: redis-server %s", sc.name, round+1, redisScriptStats(redisAddr))
+					log.Printf("%s, round %d: redis-server %s", sc.name, round+1, redisScriptStats(redisAddr, *duration))
 				}
 				log.Printf("%s, round %d, %s: %.0f req/s, %.1f µs CPU/req, p99 %.2f ms, peak RSS %.1f MB, non-2xx %d",
 					sc.name, round+1, side, r.rps, r.cpuPerReq, r.p99, r.rssMB, r.non2xx)
@@ -470,8 +473,9 @@ func flushRedis(addr string) {
 }
 
 // redisScriptStats returns what Redis reports of the script calls since the
-// last flush (INFO commandstats): calls and CPU microseconds per call.
-func redisScriptStats(addr string) string {
+// last flush (INFO commandstats), with the calls per second over a run of
+// d and the share of a core they took.
+func redisScriptStats(addr string, d time.Duration) string {
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -483,7 +487,19 @@ func redisScriptStats(addr string) string {
 	var out []string
 	for line := range strings.SplitSeq(info, "\n") {
 		if strings.HasPrefix(line, "cmdstat_evalsha:") || strings.HasPrefix(line, "cmdstat_eval:") {
-			out = append(out, strings.TrimSpace(line))
+			line = strings.TrimSpace(line)
+			var calls, usec int64
+			for f := range strings.SplitSeq(line[strings.IndexByte(line, ':')+1:], ",") {
+				k, v, _ := strings.Cut(f, "=")
+				switch k {
+				case "calls":
+					calls, _ = strconv.ParseInt(v, 10, 64)
+				case "usec":
+					usec, _ = strconv.ParseInt(v, 10, 64)
+				}
+			}
+			out = append(out, fmt.Sprintf("%s (%.0f calls/s, %.1f%% of a core)", line,
+				float64(calls)/d.Seconds(), 100*float64(usec)/float64(d.Microseconds())))
 		}
 	}
 	_ = c.ConfigResetStat(ctx).Err()
