@@ -372,6 +372,22 @@ func TestSyncRedisRestart(t *testing.T) {
 		}
 	}
 	t.Logf("admitted %d across the outage, Redis holds %d, %d failed", want, got, failed.Load())
+	m := scrape(t, zone)
+	trips, batches, keys := m[series("sync_round_trips_total", zone, "")], m[series("sync_batches_total", zone, "")], m[series("sync_keys_total", zone, "")]
+	t.Logf("this instance: %.0f sync round trips, %.0f batches, %.0f keys, lag %.3fs, %.0f instances, %.0f dropped",
+		trips, batches, keys, m[series("sync_lag_seconds", zone, "")], m[series("sync_instances", zone, "")], m[series("sync_dropped_deltas_total", zone, "")])
+	if trips < 10 || batches < 10 || keys < batches || keys > 200*batches {
+		t.Errorf("sync metrics: %.0f round trips, %.0f batches, %.0f keys", trips, batches, keys)
+	}
+	if lag := m[series("sync_lag_seconds", zone, "")]; lag <= 0 || lag > 1 {
+		t.Errorf("sync lag %.3fs once Redis is back", lag)
+	}
+	if n := m[series("sync_instances", zone, "")]; n != 2 {
+		t.Errorf("sync instances %.0f, want 2", n)
+	}
+	if d, ok := m[series("sync_dropped_deltas_total", zone, "")]; !ok || d != 0 {
+		t.Errorf("dropped deltas %.0f (present: %t), want 0: 20 keys fit max_tracked", d, ok)
+	}
 }
 
 // zoneHealth returns the health the in-process instance's admin API

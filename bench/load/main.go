@@ -91,6 +91,7 @@ type result struct {
 	cpuPerReq     float64 // Caddy's CPU time per request, µs
 	rssMB         float64 // Caddy's peak RSS (VmHWM), MB
 	non2xx        int
+	redis         string // what Redis reports of the script calls of the measured run
 }
 
 func main() {
@@ -151,9 +152,9 @@ func main() {
 						bin = floor
 					}
 				}
-				r := run(dir, bin, block, sc, lua, *conns, *duration)
-				if sc.redis && side == "B" {
-					log.Printf("%s, round %d: redis-server %s", sc.name, round+1, redisScriptStats(redisAddr, *duration))
+				r := run(dir, bin, block, sc, lua, *conns, *duration, redisAddr)
+				if r.redis != "" {
+					log.Printf("%s, round %d, %s: redis-server %s", sc.name, round+1, side, r.redis)
 				}
 				log.Printf("%s, round %d, %s: %.0f req/s, %.1f µs CPU/req, p99 %.2f ms, peak RSS %.1f MB, non-2xx %d",
 					sc.name, round+1, side, r.rps, r.cpuPerReq, r.p99, r.rssMB, r.non2xx)
@@ -199,7 +200,7 @@ func selected(name, only string) bool {
 
 // run starts bin with a site holding block, loads it with wrk and returns
 // the figures.
-func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Duration) result {
+func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Duration, redisAddr string) result {
 	port := freePort()
 	mark := strconv.FormatInt(time.Now().UnixNano(), 36)
 	servers := ""
@@ -258,10 +259,16 @@ http://127.0.0.1:%d {
 		warmed += parseRequests(wrk(append(args, fmt.Sprintf("-d%s", rest), base), from(warmed)))
 		warmedFor += rest
 	}
+	if redisAddr != "" {
+		resetRedisStats(redisAddr)
+	}
 	cpu0 := cpuTicks(cmd.Process.Pid)
 	out := wrk(append(args, fmt.Sprintf("-d%s", d), base), from(warmed))
 	cpu1 := cpuTicks(cmd.Process.Pid)
 	r := parseWrk(out)
+	if redisAddr != "" {
+		r.redis = redisScriptStats(redisAddr, d)
+	}
 	reqs := parseRequests(out)
 	if sc.clients > 0 && warmed+reqs < sc.clients {
 		log.Printf("%s: only %d requests, fewer than the %d clients: not every client was tracked", sc.name, warmed+reqs, sc.clients)
@@ -472,9 +479,20 @@ func flushRedis(addr string) {
 	}
 }
 
-// redisScriptStats returns what Redis reports of the script calls since the
-// last flush (INFO commandstats), with the calls per second over a run of
-// d and the share of a core they took.
+// resetRedisStats zeroes Redis's command statistics (CONFIG RESETSTAT).
+func resetRedisStats(addr string) {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := c.ConfigResetStat(ctx).Err(); err != nil {
+		log.Fatalf("redis CONFIG RESETSTAT: %v", err)
+	}
+}
+
+// redisScriptStats returns what Redis reports of the script calls since
+// resetRedisStats (INFO commandstats), with the calls per second over a run
+// of d and the share of a core they took.
 func redisScriptStats(addr string, d time.Duration) string {
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
@@ -502,7 +520,9 @@ func redisScriptStats(addr string, d time.Duration) string {
 				float64(calls)/d.Seconds(), 100*float64(usec)/float64(d.Microseconds())))
 		}
 	}
-	_ = c.ConfigResetStat(ctx).Err()
+	if len(out) == 0 {
+		return "no script calls"
+	}
 	return strings.Join(out, " ")
 }
 

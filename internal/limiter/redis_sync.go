@@ -259,6 +259,7 @@ func (s *RedisStore) decideSync(ctx context.Context, checks []Check, now time.Ti
 		select {
 		case <-y.ready:
 		case <-t.C:
+			y.setReady() // the decisions after this one wait no more
 		case <-ctx.Done():
 		}
 		t.Stop()
@@ -271,7 +272,8 @@ func (s *RedisStore) decideSync(ctx context.Context, checks []Check, now time.Ti
 		cks[i] = cacheKey(checks[i].Name, checks[i].Key)
 		idx[i] = y.shardOf(cks[i])
 	}
-	locked := slices.Clone(idx[:len(checks)])
+	var order [MaxChecks]int
+	locked := order[:copy(order[:], idx[:len(checks)])]
 	slices.Sort(locked)
 	locked = slices.Compact(locked)
 	for _, i := range locked {

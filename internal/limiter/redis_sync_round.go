@@ -169,7 +169,9 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, first bool,
 	_, err := pipe.Exec(ctx)
 	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		// Redis lost its scripts (a restart): load them and send again,
-		// which writes the same counts.
+		// which writes the same counts, and send every running window's
+		// counts at the next round.
+		y.resend.Store(true)
 		for _, sc := range []*redis.Script{fleetScript, banScript, syncScript} {
 			if err := sc.Load(ctx, s.client).Err(); err != nil {
 				return err

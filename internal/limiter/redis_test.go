@@ -785,11 +785,14 @@ func BenchmarkRedisHit(b *testing.B) {
 	})
 	// 32 callers at once (16 per core), as a busy server has: with the
 	// auto-pipeliner, their decisions share round trips.
+	// In sync mode no decision waits for Redis: the keys are synced
+	// every 100ms in the background.
 	piped, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, Pipeline: true, Prefix: "bench-piped:"})
+	synced, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, Sync: 100 * time.Millisecond, Prefix: "bench-sync:"})
 	for _, tc := range []struct {
 		name  string
 		store *RedisStore
-	}{{"concurrent-32/pipelined", piped}, {"concurrent-32/one-by-one", s}} {
+	}{{"concurrent-32/pipelined", piped}, {"concurrent-32/one-by-one", s}, {"concurrent-32/sync-100ms", synced}} {
 		b.Run(tc.name, func(b *testing.B) {
 			b.ReportAllocs()
 			b.SetParallelism(16)
