@@ -53,6 +53,14 @@ func TestUnmarshalCaddyfileStore(t *testing.T) {
 			input: "rate_limit {\n store redis {\n url redis://u:p@h:6379/1\n }\n}",
 			want:  `{"store":{"type":"redis","url":"redis://u:p@h:6379/1"}}`,
 		},
+		{
+			name:  "redis sync",
+			input: "rate_limit {\n store redis {\n address a:1\n sync 100ms all\n }\n}",
+			want:  `{"store":{"type":"redis","addresses":["a:1"],"sync":100000000,"sync_spend":"all"}}`,
+		},
+		{name: "sync without interval", input: "rate_limit {\n store redis {\n address a:1\n sync\n }\n}", wantErr: "sync takes an interval and optionally share or all, got 0 arguments"},
+		{name: "sync, three arguments", input: "rate_limit {\n store redis {\n address a:1\n sync 1s all now\n }\n}", wantErr: "got 3 arguments"},
+		{name: "sync, not a duration", input: "rate_limit {\n store redis {\n address a:1\n sync often\n }\n}", wantErr: `invalid sync "often"`},
 		{name: "no store type", input: "rate_limit {\n store\n}", wantErr: "wrong argument count"},
 		{name: "unknown store", input: "rate_limit {\n store disk\n}", wantErr: `invalid store "disk"`},
 		{name: "memory with a block", input: "rate_limit {\n store memory {\n address x:1\n }\n}", wantErr: "store memory takes no block"},
@@ -150,6 +158,45 @@ func TestStoreConfigProvision(t *testing.T) {
 		if err := (&RateLimit{Store: &tc.sc}).Validate(); tc.sc.check() != nil && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
 			t.Errorf("%+v: Validate error %v, want one containing %q", tc.sc, err, tc.wantErr)
 		}
+	}
+}
+
+// Sync mode refuses at load what it cannot mean, naming the option and
+// its value.
+func TestSyncConfigErrors(t *testing.T) {
+	redis := func(sync time.Duration, edit func(*StoreConfig)) *StoreConfig {
+		sc := &StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, Sync: caddy.Duration(sync)}
+		if edit != nil {
+			edit(sc)
+		}
+		return sc
+	}
+	for _, tc := range []struct {
+		name    string
+		rl      RateLimit
+		wantErr string
+	}{
+		{"interval under 10ms", RateLimit{Store: redis(5*time.Millisecond, nil)}, "invalid sync 5ms: must be from 10ms to 10s"},
+		{"interval over 10s", RateLimit{Store: redis(11*time.Second, nil), Window: caddy.Duration(time.Minute)}, "invalid sync 11s: must be from 10ms to 10s"},
+		{"spend unknown", RateLimit{Store: redis(time.Second, func(sc *StoreConfig) { sc.SyncSpend = "some" })}, `invalid sync_spend "some": must be share or all`},
+		{"spend without sync", RateLimit{Store: redis(0, func(sc *StoreConfig) { sc.SyncSpend = "all" })}, `sync_spend "all" needs sync`},
+		{"on_error deny", RateLimit{Store: redis(time.Second, func(sc *StoreConfig) { sc.OnError = "deny" })}, `invalid on_error "deny" with sync`},
+		{"on_error allow", RateLimit{Store: redis(time.Second, func(sc *StoreConfig) { sc.OnError = "allow" })}, `invalid on_error "allow" with sync`},
+		{"pipeline on", RateLimit{Store: redis(time.Second, func(sc *StoreConfig) { sc.Pipeline = "on" })}, `invalid pipeline "on" with sync`},
+		{"gcra", RateLimit{Store: redis(time.Second, nil), Algorithm: AlgorithmGCRA}, `invalid algorithm "gcra" with sync 1s`},
+		{"window under two intervals", RateLimit{Store: redis(time.Second, nil), Window: caddy.Duration(time.Second)}, "invalid window 1s with sync 1s: a window must be at least two sync intervals"},
+		{"limit window under two intervals", RateLimit{Store: redis(time.Second, nil), Limits: []PolicyConfig{{Name: "burst", Max: 5, Window: caddy.Duration(time.Second)}}},
+			`invalid limit "burst" window 1s with sync 1s`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if err := tc.rl.Validate(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("Validate: %v, want an error containing %q", err, tc.wantErr)
+			}
+		})
+	}
+	ok := RateLimit{Store: redis(100*time.Millisecond, func(sc *StoreConfig) { sc.SyncSpend = "share"; sc.OnError = "local" }), Algorithm: AlgorithmSliding}
+	if err := ok.Validate(); err != nil {
+		t.Errorf("sync 100ms share, on_error local, sliding: %v", err)
 	}
 }
 
