@@ -144,8 +144,11 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 	end := (ms/w + 1) * w
 	e := sh.m[ck]
 	if e == nil {
-		e = &syncEntry{name: strings.Clone(c.Name), key: strings.Clone(c.Key), window: w, end: end}
-		sh.m[strings.Clone(ck)] = e
+		// One copy of the key: the entry's name and key are parts of
+		// the map's (cacheKey).
+		ck = strings.Clone(ck)
+		e = &syncEntry{name: ck[:len(c.Name)], key: ck[len(ck)-len(c.Key):], window: w, end: end}
+		sh.m[ck] = e
 		y.fifoMu.Lock()
 		y.fifo = append(y.fifo, e)
 		y.fifoMu.Unlock()

@@ -269,3 +269,42 @@ func TestRedisSyncOutage(t *testing.T) {
 		t.Errorf("key k0 (dropped): Redis holds %d", got)
 	}
 }
+
+// Sliding windows and costs in sync mode: a costly request that does not
+// fit spends nothing, the previous window's count weighs on the next, and
+// Redis holds each window's count where the fleet reads it.
+func TestRedisSyncSlidingCost(t *testing.T) {
+	srv := redistest.Start(t)
+	s := manualFleet(t, srv, 1, RedisStoreOptions{})[0]
+	limit := Limit{Window: 2 * time.Second, Max: 10, Sliding: true}
+	untilWindowStarts(limit.Window, 1500*time.Millisecond)
+	decide := func(cost int) Verdict {
+		var out [1]Verdict
+		if err := s.Decide(context.Background(), []Check{{Key: "s", Limit: limit, Cost: cost}}, time.Now(), out[:]); err != nil {
+			t.Fatal(err)
+		}
+		return out[0]
+	}
+	for i, want := range []bool{true, true, false} {
+		if v := decide(4); v.Allowed != want {
+			t.Fatalf("request %d of cost 4: admitted %t, want %t (%+v)", i, v.Allowed, want, v)
+		}
+	}
+	round(s)
+	if got := count(t, s, "s"); got != 8 {
+		t.Fatalf("Redis holds %d, want 8", got)
+	}
+	// The next window: the 8 weigh almost fully at its start.
+	time.Sleep(time.Until(time.UnixMilli((time.Now().UnixMilli()/2000 + 1) * 2000)))
+	if v := decide(1); !v.Allowed {
+		t.Errorf("cost 1 at the next window's start refused: %+v", v)
+	}
+	if v := decide(4); v.Allowed || v.RetryAfter <= 0 {
+		t.Errorf("cost 4 at the next window's start: %+v, want a refusal with a wait", v)
+	}
+	round(s)
+	prev, err := s.client.Get(context.Background(), s.base("", "s")+"p").Int64()
+	if err != nil || prev != 8 || count(t, s, "s") != 1 {
+		t.Errorf("Redis holds %d (%v) as the previous count and %d as the count, want 8 and 1", prev, err, count(t, s, "s"))
+	}
+}
