@@ -25,7 +25,7 @@ var (
 		"Bans that dry-run handlers would have started (a dry run writes none), by zone.",
 		[]string{"zone"}, nil)
 	trackedKeysDesc = prometheus.NewDesc("caddy_rate_limit_tracked_keys",
-		"Keys the zone's store tracks now in this process (for a Redis zone, its local fallback store's).",
+		"Keys the zone's store tracks now in this process (for a Redis zone, its local fallback store's; in sync mode, the keys it decides from).",
 		[]string{"zone"}, nil)
 	evictionsDesc = prometheus.NewDesc("caddy_rate_limit_evictions_total",
 		"Live keys evicted because the zone tracked max_tracked keys or more: to make room for new ones, or to reach a lowered max_tracked.",

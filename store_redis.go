@@ -138,7 +138,7 @@ type StoreConfig struct {
 	opts     *redis.UniversalOptions
 	hashKey  []byte
 	connKey  string // identifies the connection config, for the client pool
-	identity string // identifies the zone's counters: connection, prefix, hashing
+	identity string // identifies the zone's counters: connection, prefix, hashing, sync
 }
 
 // Pipeline settings of the Redis store.
@@ -330,7 +330,7 @@ func (sc *StoreConfig) provision() error {
 	tlsOn := opts.TLSConfig != nil
 	sc.connKey = fmt.Sprintf("addrs=%s master=%s user=%s pass=%s db=%d tls=%t",
 		strings.Join(opts.Addrs, ","), opts.MasterName, opts.Username, digest(opts.Password), opts.DB, tlsOn)
-	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)))
+	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s sync=%s/%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)), time.Duration(sc.Sync), sc.SyncSpend)
 	return nil
 }
 

@@ -401,7 +401,7 @@ func (z *zone) refusalCounter(limit string) *atomic.Uint64 {
 }
 
 // poolKey is the zone's key in zones: its name, and for a Redis zone what
-// identifies its counters (connection, key prefix, key hashing), so that a
+// identifies its counters (connection, key prefix, key hashing, sync), so that a
 // reload pointing the zone at another store builds a new zone instead of
 // keeping the old store.
 func (rl *RateLimit) poolKey() string {

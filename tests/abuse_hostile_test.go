@@ -15,7 +15,7 @@ import (
 
 // The abuse controls under clients that try to steer them: leaving before
 // the answer, holding a request open, dry runs, shared buckets. Each runs
-// on the memory store and on a real redis-server.
+// on the memory store and on a real redis-server, in exact and in sync mode.
 
 // forEachStore runs fn with the store block of each store ("" for memory).
 func forEachStore(t *testing.T, fn func(t *testing.T, name, store string)) {
@@ -24,6 +24,19 @@ func forEachStore(t *testing.T, fn func(t *testing.T, name, store string)) {
 		srv := redistest.Start(t)
 		fn(t, "redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", srv.Addr))
 	})
+	t.Run("redis sync", func(t *testing.T) {
+		srv := redistest.Start(t)
+		fn(t, "redis-sync", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\tsync 100ms\n\t\t}", srv.Addr))
+	})
+}
+
+// awaitSync waits, for a zone in sync mode, until its last decisions have
+// reached Redis, where its listing reads them: two intervals of 100ms and
+// some slack.
+func awaitSync(name string) {
+	if name == "redis-sync" {
+		time.Sleep(300 * time.Millisecond)
+	}
 }
 
 // bannedUntil returns the banned_until of key in limit policy of zone's
@@ -110,6 +123,7 @@ func TestCountStatusAbandonedCounts(t *testing.T) {
 		}
 		// Settled a moment after the backend: what the abandoned requests
 		// spent stays spent.
+		awaitSync(name)
 		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 			if got := listingOf(t, zone)[zone+"/198.51.100.60"]; got != "3 3" {
 				t.Fatalf("listing %q, want count 3 and 3 refused (nothing given back)", got)
@@ -202,6 +216,7 @@ func TestBanWaitsForRequestsInFlight(t *testing.T) {
 					t.Fatalf("%s: refusal while a request is held: Retry-After %d, want the window's (no ban yet)", tc.ip, ra)
 				}
 			}
+			awaitSync(name)
 			if b := bannedUntil(t, zone, zone, tc.ip); b != 0 {
 				t.Fatalf("%s: banned until %d while its request is held, want no ban yet", tc.ip, b)
 			}
@@ -224,6 +239,7 @@ func TestBanWaitsForRequestsInFlight(t *testing.T) {
 			if !eventually(func() bool { return listingOf(t, zone)[zone+"/"+tc.ip] == "2 3" }) {
 				t.Fatalf("%s: listed %q once the held 200 settled, want 2 counted and 3 refused", tc.ip, listingOf(t, zone)[zone+"/"+tc.ip])
 			}
+			awaitSync(name)
 			if b := bannedUntil(t, zone, zone, tc.ip); b != 0 {
 				t.Fatalf("%s: banned until %d after the held request gave its unit back, want no ban", tc.ip, b)
 			}
@@ -256,9 +272,11 @@ func TestDryRunWritesNoBan(t *testing.T) {
 				t.Fatalf("dry-run request %d: %d, want 200", i+1, resp.StatusCode)
 			}
 		}
+		awaitSync(name)
 		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b != 0 {
 			t.Fatalf("a dry run listed the key banned until %d, want no ban", b)
 		}
+		awaitSync(name)
 		wantListing(t, zone, map[string]string{zone + "/198.51.100.80": "2 3"})
 		got := scrape(t, zone)
 		if n := got[series("dry_run_bans_total", zone, "")]; n != 1 {
@@ -269,7 +287,9 @@ func TestDryRunWritesNoBan(t *testing.T) {
 		}
 		// Live now: the counts carried over; no ban was waiting.
 		s.reload(trustLoopback, fmt.Sprintf(site, zone, "", store))
+		awaitSync(name)
 		wantListing(t, zone, map[string]string{zone + "/198.51.100.80": "2 3"})
+		awaitSync(name)
 		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b != 0 {
 			t.Fatalf("after the reload the key is banned until %d, want no ban", b)
 		}
@@ -309,9 +329,11 @@ func TestSharedBucketsNeverBanned(t *testing.T) {
 		if fmt.Sprint(codes) != "[200 200 200 429 429]" {
 			t.Fatalf("five clients without a tenant: %v, want [200 200 200 429 429]", codes)
 		}
+		awaitSync(name)
 		if b := bannedUntil(t, zone, "tenant", "missing:anon"); b != 0 {
 			t.Fatalf("the missing bucket is banned until %d, want never", b)
 		}
+		awaitSync(name)
 		wantListing(t, zone, map[string]string{"tenant/missing:anon": "3 2"})
 		// An unrelated client without a tenant: refused by the count
 		// until the window ends, not by a ban.
@@ -322,6 +344,7 @@ func TestSharedBucketsNeverBanned(t *testing.T) {
 		}
 		// A client naming the tenant "anon" has a bucket of its own.
 		wantStatus(t, request(t, s.Base, "/", "X-Forwarded-For", "198.51.100.98", "X-Tenant", "anon"), http.StatusOK)
+		awaitSync(name)
 		wantListing(t, zone, map[string]string{"tenant/key:anon": "1 0"})
 
 		// Team blue over its limit: refused, never banned.
@@ -332,6 +355,7 @@ func TestSharedBucketsNeverBanned(t *testing.T) {
 				t.Fatalf("team request %d: Retry-After %d, want at most the window (ban off)", i+1, ra)
 			}
 		}
+		awaitSync(name)
 		if b := bannedUntil(t, zone, "team", "key:blue"); b != 0 {
 			t.Fatalf("team blue, with ban off, is banned until %d", b)
 		}

@@ -100,7 +100,11 @@ func (s *RedisStore) forgetSync(name string, tags []string) {
 		return
 	}
 	s.sync.forget(func(e *syncEntry) bool {
-		return e.name == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key || t == s.tag(e.key) })
+		tag := e.tag // set once a round has sent the key
+		if tag == "" {
+			tag = s.tag(e.key)
+		}
+		return e.name == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key || t == tag })
 	})
 }
 
