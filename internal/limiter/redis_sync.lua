@@ -27,14 +27,16 @@
 --   ARGV[1] now in Unix milliseconds (the instance's clock); ARGV[2] the
 --   instance's id; ARGV[3] the instances that synced recently; ARGV[4] 1
 --   for spend share.
--- For key i, KEYS[6i-5] to KEYS[6i]: count, previous count, the instances'
--- counts (hash), the instances' previous counts (hash), refused tally, ban;
--- and 9 arguments from ARGV[9i-4]: the end of the instance's window (Unix
--- ms), the window (ms), the instance's count of it (-1: not sent), its
--- count of the previous window (-1: not sent), refusals to add to the
--- tally, 1 to read the ban, max, 1 while instances not yet counted are
--- taken to hold their first share, the units the previous window weighs
--- (a sliding window's).
+-- For key i, KEYS[i] is its count key; its other keys end in another
+-- letter instead of c, under the same hash tag, so in the same Cluster
+-- slot: p the previous count, h and q the instances' counts of the window
+-- and of the one before (hashes), r the refused tally, b the ban. ARGV[i+4]
+-- holds its 9 numbers, separated by spaces: the end of the instance's
+-- window (Unix ms), the window (ms), the instance's count of it, its count
+-- of the previous window (-1: not sent), refusals to add to the tally, 1 to
+-- read the ban, max, 1 while instances not yet counted are taken to hold
+-- their first share, and the units the previous window weighs (-1: a fixed
+-- window, whose previous count is not read).
 -- Returns 5 values per key: the fleet's count of the window (-1: dropped,
 -- the window has ended in Redis), how many instances counted in it, the
 -- fleet's count of the previous window, the milliseconds left of the key's
@@ -72,21 +74,23 @@ local function others(hk)
 end
 
 -- put writes the instance's field of hash hk and the fleet's count into
--- ck, both expiring at exp.
+-- ck, both expiring at exp (the hash keeps the expiry it has).
 local function put(ck, hk, count, field, exp)
-	redis.call('HSET', hk, inst, field)
-	redis.call('PEXPIREAT', hk, exp)
-	redis.call('SET', ck, count)
-	redis.call('PEXPIREAT', ck, exp)
+	if redis.call('HSET', hk, inst, field) == 1 then
+		redis.call('PEXPIREAT', hk, exp)
+	end
+	redis.call('SET', ck, count, 'PXAT', exp)
 end
 
 local out = {}
-for i = 1, #KEYS / 6 do
-	local k, a = 6 * i - 6, 9 * i - 4
-	local c, p, h, q, r, b = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
-	local e, w = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-	local mine, prev, refused = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-	local max, waiting, weighs = tonumber(ARGV[a + 6]), ARGV[a + 7] == '1', tonumber(ARGV[a + 8])
+for i = 1, #KEYS do
+	local c = KEYS[i]
+	local base = string.sub(c, 1, -2)
+	local p, h, q = base .. 'p', base .. 'h', base .. 'q'
+	local e, w, mine, prev, refused, bans, max, waiting, weighs = string.match(ARGV[i + 4],
+		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) ([01]) (%-?%d+)$')
+	e, w, mine, prev, refused = tonumber(e), tonumber(w), tonumber(mine), tonumber(prev), tonumber(refused)
+	max, weighs = tonumber(max), tonumber(weighs)
 	-- at is the window the count key counts, from the instance's: 0 the
 	-- same (or none yet), -1 the one before, 1 the one after. The key
 	-- expires a window after its window ends.
@@ -98,6 +102,7 @@ for i = 1, #KEYS / 6 do
 		-- Not this script's, or written under a longer window (a reload
 		-- shortened it): the counts start afresh.
 		redis.call('DEL', c, p, h, q)
+		ttl = -2
 	else
 		at = math.floor((now + ttl - w - e) / w + 0.5)
 		if at == -1 then
@@ -109,60 +114,58 @@ for i = 1, #KEYS / 6 do
 			else
 				redis.call('DEL', q)
 			end
-			at = 0
+			at, ttl = 0, -2
 		elseif at < -1 then
 			redis.call('DEL', c, p, h, q) -- an older window
-			at = 0
+			at, ttl = 0, -2
 		end
 	end
 	local total, n, ptotal, res = -1, 0, 0, 0
 	if at == 0 then
-		if mine >= 0 then
-			local counted, held
+		-- The others' counts and reservations: none in a new window.
+		local counted, held = 0, 0
+		if ttl ~= -2 then
 			counted, held, n = others(h)
-			total, n = counted + mine, n + 1
-			if share then
-				-- This instance's share of what no other instance
-				-- holds (what it held itself is free again).
-				local free, div = max - weighs - total - held, n
-				if waiting then
-					local first = math.ceil(math.max(max - weighs, 0) / fleet)
-					free = free - math.max(fleet - n, 0) * first
-					div = math.max(fleet, n)
-				end
-				if free > 0 then
-					res = math.ceil(free / div)
-				end
-			end
-			put(c, h, total, mine .. '/' .. res, e + w)
-		else
-			total, n = num(c), redis.call('HLEN', h)
 		end
-		ptotal = num(p)
+		total, n = counted + mine, n + 1
+		if share then
+			-- This instance's share of what no other instance holds
+			-- (what it held itself is free again).
+			local left = max - math.max(weighs, 0)
+			local free, div = left - total - held, n
+			if waiting == '1' then
+				local first = math.ceil(math.max(left, 0) / fleet)
+				free = free - math.max(fleet - n, 0) * first
+				div = math.max(fleet, n)
+			end
+			if free > 0 then
+				res = math.ceil(free / div)
+			end
+		end
+		put(c, h, total, mine .. '/' .. res, e + w)
 		if prev >= 0 and e > now then
 			ptotal = others(q) + prev
 			put(p, q, ptotal, prev, e)
+		elseif weighs >= 0 then
+			ptotal = num(p)
 		end
 	elseif at == 1 then
 		-- Redis counts the next window already: the instance's is the
 		-- previous one (a count for the one before that is dropped).
-		if mine >= 0 then
-			total = others(q) + mine
-			put(p, q, total, mine, e + w)
-		else
-			total = num(p)
-		end
+		total = others(q) + mine
+		put(p, q, total, mine, e + w)
 		n = redis.call('HLEN', q)
 	end
 	if total >= 0 and refused > 0 then
+		local r = base .. 'r'
 		if type(redis.pcall('INCRBY', r, refused)) == 'table' then
 			redis.call('SET', r, refused)
 		end
 		redis.call('PEXPIREAT', r, e)
 	end
 	local ban = 0
-	if ARGV[a + 5] == '1' then
-		ban = math.max(redis.call('PTTL', b), 0)
+	if bans == '1' then
+		ban = math.max(redis.call('PTTL', base .. 'b'), 0)
 	end
 	out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = total, n, ptotal, ban, res
 end

@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
 	"time"
+	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -58,14 +60,14 @@ const (
 type syncItem struct {
 	e     *syncEntry
 	shard int
-	base  string
+	key   string // the count key
 	// end and window name the window mine counts; prev is the count of
 	// the window before (-1: not sent); refused the refusals to tally.
 	end, window, mine, prev, refused int64
 	bans                             bool
 	// max is the limit's; waiting is true for the instance's first two
 	// rounds of the window; weighs is what a sliding window's previous
-	// count weighs now, in whole units.
+	// count weighs now, in whole units (-1 for a fixed window).
 	max, weighs int64
 	waiting     bool
 }
@@ -208,15 +210,24 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, first bool,
 	return nil
 }
 
-// syncCmd queues the script call of one batch on pipe.
+// syncCmd queues the script call of one batch on pipe: each key's count
+// key, and its numbers in one argument (see redis_sync.lua).
 func (s *RedisStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.Cmd {
-	keys := make([]string, 0, 6*len(b))
-	args := make([]any, 0, 4+9*len(b))
-	args = append(args, ms, s.sync.id, s.sync.fleet.Load(), flag(s.sync.spend == SyncShare))
+	keys := make([]string, len(b))
+	args := make([]any, 4, 4+len(b))
+	args[0], args[1], args[2], args[3] = ms, s.sync.id, s.sync.fleet.Load(), flag(s.sync.spend == SyncShare)
+	var buf []byte
 	for i := range b {
 		it := &b[i]
-		keys = append(keys, it.base+"c", it.base+"p", it.base+"h", it.base+"q", it.base+"r", it.base+"b")
-		args = append(args, it.end, it.window, it.mine, it.prev, it.refused, flag(it.bans), it.max, flag(it.waiting), it.weighs)
+		keys[i] = it.key
+		buf = buf[:0]
+		for j, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, int64(flag(it.waiting)), it.weighs} {
+			if j > 0 {
+				buf = append(buf, ' ')
+			}
+			buf = strconv.AppendInt(buf, n, 10)
+		}
+		args = append(args, string(buf))
 	}
 	return syncScript.EvalSha(ctx, pipe, keys, args...)
 }
@@ -227,6 +238,13 @@ func flag(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// countKey returns the count key of a client tag in the named limit:
+// base(name, tag) and "c", in one allocation.
+func (s *RedisStore) countKey(name, tag string) string {
+	b := append(s.appendBase(make([]byte, 0, baseLen(s.prefix, name, tag)+1), name, tag), 'c')
+	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not written again
 }
 
 // cmd64s reads a script's reply of integers.
@@ -260,7 +278,7 @@ func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
 	}
 	bySlot := make(map[uint16]int) // slot → index in out of its open batch
 	for _, it := range items {
-		slot := clusterSlot(it.base)
+		slot := clusterSlot(it.key)
 		i, ok := bySlot[slot]
 		if !ok || len(out[i]) >= syncBatch {
 			i = len(out)
@@ -296,11 +314,12 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 				e.tag = s.tag(e.key)
 			}
 			it := syncItem{
-				e: e, shard: i, base: s.base(e.name, e.tag),
+				e: e, shard: i, key: s.countKey(e.name, e.tag),
 				end: e.end, window: e.window, mine: e.mine, prev: -1,
 				refused: e.refused, bans: e.bans,
 				max: e.max, waiting: e.rounds < 2,
 			}
+			it.weighs = -1 // a fixed window: the previous count is not read
 			if e.sliding {
 				prev := e.prevFleet + e.prevMine - e.prevSent
 				it.weighs = int64(math.Ceil(float64(prev) * min(max(float64(e.end-ms)/float64(e.window), 0), 1)))
