@@ -108,8 +108,8 @@ type syncEntry struct {
 	mine, sent, fleet int64
 	// The same for the window before.
 	prevMine, prevSent, prevFleet int64
-	// rounds read the window; members are the instances counting in it.
-	rounds, members int64
+	// rounds is how many rounds have read the window.
+	rounds int64
 	// budget is what this instance may spend past budgetFrom until the
 	// next round (SyncShare).
 	budget, budgetFrom int64
@@ -172,7 +172,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 			e.prevMine, e.prevSent, e.prevFleet = 0, 0, 0
 		}
 		e.end, e.mine, e.sent, e.fleet = end, 0, 0, 0
-		e.rounds, e.members, e.refusedAny = 0, 0, false
+		e.rounds, e.refusedAny = 0, false
 		y.prior(e, &c.Limit, ms)
 	}
 	return e

@@ -351,8 +351,8 @@ func (y *syncTable) requeue(items []syncItem) {
 	}
 }
 
-// apply takes what a round read of one key: the fleet's counts, the
-// instances counting it, and its ban.
+// apply takes what a round read of one key: the fleet's counts, its ban
+// and what the round reserved this instance.
 func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 	sh := &y.shards[it.shard]
 	sh.mu.Lock()
@@ -361,18 +361,21 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 	if e.gone {
 		return
 	}
-	total, members, prevTotal, ban, reserved := r[0], r[1], r[2], r[3], r[4]
+	total, prevTotal, ban, reserved := r[0], r[2], r[3], r[4] // r[1]: the instances counting the key
 	if ban > 0 {
 		e.banUntil = max(e.banUntil, start.Add(time.Duration(ban)*time.Millisecond).UnixNano())
 	}
 	if total < 0 {
 		// Redis had left the window behind: its counts are dropped.
-		y.drop(it.mine-e.sentOf(it.end), it.prev)
+		y.drop(it.mine - e.sentOf(it.end))
+		if it.prev >= 0 {
+			y.drop(it.prev - e.prevSent)
+		}
 		return
 	}
 	switch e.end {
 	case it.end:
-		e.sent, e.fleet, e.members = it.mine, total, members
+		e.sent, e.fleet = it.mine, total
 		e.rounds++
 		if it.prev >= 0 {
 			e.prevSent = it.prev
