@@ -158,7 +158,7 @@ func TestSyncFleetOneKey(t *testing.T) {
 // 100,000 keys spread over 2 instances on one redis-server: when each
 // window ends, Redis holds exactly what the fleet admitted in it.
 func TestSyncExactManyKeys(t *testing.T) {
-	srv := redistest.Start(t)
+	srv := redistest.StartReal(t, "an in-process miniredis cannot keep up with 100,000 keys synced by two Caddy processes")
 	rdb := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{srv.Addr}})
 	defer rdb.Close()
 	testSyncExact(t, "e2e-sync-exact", []string{srv.Addr}, rdb, 100_000)
@@ -280,7 +280,9 @@ func checkWindow(t *testing.T, rdb redis.UniversalClient, zone string, end int64
 	}
 	now := time.Now()
 	if _, err := pipe.Exec(ctx); err != nil && err != redis.Nil {
-		t.Fatal(err)
+		// Not Fatal: the requests of later windows are still running.
+		t.Errorf("window ending %s: reading Redis: %v", time.Unix(end, 0).Format(time.TimeOnly), err)
+		return 0, 0
 	}
 	wrong := 0
 	for k, n := range counts {
