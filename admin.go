@@ -259,6 +259,29 @@ type ZoneInfo struct {
 	// reload, from the new config's first proxied request. Absent when
 	// false.
 	SpoofableKey bool `json:"spoofable_key,omitempty"`
+	// Sync describes a Redis zone in sync mode (store redis { sync });
+	// absent in exact mode and for in-process zones.
+	Sync *SyncInfo `json:"sync,omitempty"`
+}
+
+// SyncInfo is what the zone list shows of a Redis zone in sync mode, as
+// this instance sees it.
+type SyncInfo struct {
+	// Interval is the sync interval, as a duration ("100ms").
+	Interval string `json:"interval"`
+	// Spend is what an instance spends between two syncs: "share" or
+	// "all".
+	Spend string `json:"spend"`
+	// LagSeconds is how old, at most, the fleet's counts this instance
+	// decides from are: the time since its last sync that reached Redis
+	// began.
+	LagSeconds float64 `json:"lag_seconds"`
+	// Instances is how many instances synced the zone in the last three
+	// intervals, as the last sync read.
+	Instances int `json:"instances"`
+	// DroppedDeltas counts the keys whose counts of a window never
+	// reached Redis.
+	DroppedDeltas uint64 `json:"dropped_deltas"`
 }
 
 // PolicyInfo is one limit of a zone in the reply to GET /rate_limit/.

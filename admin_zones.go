@@ -55,6 +55,17 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 		HashedKeys:           z.hashedKeys(),
 		SpoofableKey:         z.spoofableKey(),
 	}
+	if sy, ok := z.store.(limiter.Syncer); ok {
+		if st, ok := sy.SyncStats(time.Now()); ok {
+			zi.Sync = &SyncInfo{
+				Interval:      st.Interval.String(),
+				Spend:         st.Spend,
+				LagSeconds:    st.Lag.Seconds(),
+				Instances:     st.Fleet,
+				DroppedDeltas: st.Dropped,
+			}
+		}
+	}
 	z.trackedKeys(ctx, &zi)
 	if !zi.Enabled {
 		zi.Status = "disabled"

@@ -385,26 +385,44 @@ func TestSyncRedisRestart(t *testing.T) {
 	if d, ok := m[series("sync_dropped_deltas_total", zone, "")]; !ok || d != 0 {
 		t.Errorf("dropped deltas %.0f (present: %t), want 0: 20 keys fit max_tracked", d, ok)
 	}
+	if zi := listedZone(t, zone); zi.Sync == nil || zi.Sync.Interval != "100ms" || zi.Sync.Spend != "share" || zi.Sync.Instances != 2 || zi.Sync.Lag <= 0 || zi.Sync.Lag > 1 {
+		t.Errorf("the zone list's sync: %+v", zi.Sync)
+	}
 }
 
 // zoneHealth returns the health the in-process instance's admin API
 // reports for zone.
 func zoneHealth(t *testing.T, zone string) string {
+	return listedZone(t, zone).Health
+}
+
+// syncZoneInfo is what the tests read of a zone in the admin API's list.
+type syncZoneInfo struct {
+	Name   string `json:"name"`
+	Health string `json:"health"`
+	Sync   *struct {
+		Interval  string  `json:"interval"`
+		Spend     string  `json:"spend"`
+		Lag       float64 `json:"lag_seconds"`
+		Instances int     `json:"instances"`
+	} `json:"sync"`
+}
+
+// listedZone returns what the in-process instance's admin API lists of
+// zone.
+func listedZone(t *testing.T, zone string) syncZoneInfo {
 	status, body := admin(t, http.MethodGet, "/rate_limit/")
 	if status != http.StatusOK {
-		return ""
+		return syncZoneInfo{}
 	}
-	var zones []struct {
-		Name   string `json:"name"`
-		Health string `json:"health"`
-	}
+	var zones []syncZoneInfo
 	if err := json.Unmarshal([]byte(body), &zones); err != nil {
 		t.Fatalf("zones: %v: %s", err, body)
 	}
 	for _, z := range zones {
 		if z.Name == zone {
-			return z.Health
+			return z
 		}
 	}
-	return ""
+	return syncZoneInfo{}
 }

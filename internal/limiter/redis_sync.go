@@ -86,6 +86,9 @@ type SyncStats struct {
 	Dropped uint64
 	// Fleet is how many instances synced the zone recently.
 	Fleet int
+	// Interval and Spend are the store's sync settings.
+	Interval time.Duration
+	Spend    string
 }
 
 // syncShard is one lock's share of the table.
@@ -456,6 +459,8 @@ func (y *syncTable) snapshot(now time.Time) SyncStats {
 		Keys:       y.stats.keys.Load(),
 		Dropped:    y.stats.dropped.Load(),
 		Fleet:      int(y.fleet.Load()),
+		Interval:   y.interval,
+		Spend:      y.spend,
 	}
 	if last := y.lastOK.Load(); last != 0 {
 		st.Lag = now.Sub(time.Unix(0, last))
