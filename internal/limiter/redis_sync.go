@@ -100,7 +100,8 @@ type syncShard struct {
 
 // syncEntry is one key of one limit. Times are Unix milliseconds.
 type syncEntry struct {
-	name, key string
+	ck        string // its key in the shard's map: cacheKey(name, key)
+	name, key string // parts of ck
 	tag       string // the key's name in Redis (its hash with hash_keys), once a round has sent it
 	window    int64
 	end       int64 // the end of the window counted in mine
@@ -150,7 +151,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 		// One copy of the key: the entry's name and key are parts of
 		// the map's (cacheKey).
 		ck = strings.Clone(ck)
-		e = &syncEntry{name: ck[:len(c.Name)], key: ck[len(ck)-len(c.Key):], window: w, end: end}
+		e = &syncEntry{ck: ck, name: ck[:len(c.Name)], key: ck[len(ck)-len(c.Key):], window: w, end: end}
 		sh.m[ck] = e
 		y.fifoMu.Lock()
 		y.fifo = append(y.fifo, e)
@@ -163,7 +164,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 	case e.window != w:
 		// A reload changed the window: windows of another length.
 		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
-		*e = syncEntry{name: e.name, key: e.key, tag: e.tag, window: w, end: end, max: e.max, sliding: e.sliding,
+		*e = syncEntry{ck: e.ck, name: e.name, key: e.key, tag: e.tag, window: w, end: end, max: e.max, sliding: e.sliding,
 			banUntil: e.banUntil, bans: e.bans, dirty: e.dirty}
 		y.prior(e, &c.Limit, ms)
 	case end > e.end:
@@ -205,7 +206,7 @@ func (y *syncTable) trim() {
 		y.fifo[0] = nil
 		y.fifo = y.fifo[1:]
 		y.fifoMu.Unlock()
-		sh := &y.shards[y.shardOf(cacheKey(e.name, e.key))]
+		sh := &y.shards[y.shardOf(e.ck)]
 		sh.mu.Lock()
 		if !e.gone {
 			y.remove(sh, e)
@@ -218,7 +219,7 @@ func (y *syncTable) trim() {
 // remove takes e out of its shard.
 func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
 	e.gone = true
-	delete(sh.m, cacheKey(e.name, e.key))
+	delete(sh.m, e.ck)
 	y.len.Add(-1)
 }
 

@@ -308,3 +308,36 @@ func TestRedisSyncSlidingCost(t *testing.T) {
 		t.Errorf("Redis holds %d (%v) as the previous count and %d as the count, want 8 and 1", prev, err, count(t, s, "s"))
 	}
 }
+
+// Several limits in sync mode make one verdict: a request one limit refuses
+// counts in none, and each limit's count reaches Redis under its name.
+func TestRedisSyncSeveralLimits(t *testing.T) {
+	srv := redistest.Start(t)
+	s := manualFleet(t, srv, 1, RedisStoreOptions{})[0]
+	minute := Limit{Window: time.Minute, Max: 10}
+	burst := Limit{Window: 10 * time.Second, Max: 2}
+	untilWindowStarts(minute.Window, 5*time.Second)
+	untilWindowStarts(burst.Window, time.Second)
+	checks := []Check{{Key: "m", Limit: minute}, {Slot: 1, Name: "burst", Key: "m", Limit: burst}}
+	var got []bool
+	for range 4 {
+		var out [2]Verdict
+		if err := s.Decide(context.Background(), checks, time.Now(), out[:]); err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, out[0].Allowed && out[1].Allowed)
+		if !out[0].Allowed {
+			t.Errorf("the minute's limit refused: %+v", out[0])
+		}
+	}
+	if fmt.Sprint(got) != "[true true false false]" {
+		t.Errorf("admitted %v, want the first two", got)
+	}
+	round(s)
+	for _, name := range []string{"", "burst"} {
+		n, err := s.client.Get(context.Background(), s.base(name, "m")+"c").Int64()
+		if err != nil || n != 2 {
+			t.Errorf("limit %q: Redis holds %d (%v), want 2", name, n, err)
+		}
+	}
+}
