@@ -107,10 +107,10 @@ func (s *RedisStore) runSync(ctx context.Context) {
 }
 
 // syncRound sends the counts of every key touched since the last round and
-// takes the fleet's back, in round trips of at most syncTrip keys. A round
-// trip that fails leaves its keys to the next round (their counts are
-// absolute: sending them twice counts nothing twice) and counts against
-// the store's health.
+// takes the fleet's back, in round trips of at most syncTrip keys. What a
+// round trip fails to send (a batch, a ban) is left to the next round
+// (the counts are absolute: sending them twice counts nothing twice), and
+// the failure counts against the store's health.
 func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
 	y := s.sync
 	y.trim()
@@ -120,15 +120,13 @@ func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
 	for len(items) > 0 || first {
 		trip := items[:min(len(items), syncTrip)]
 		items = items[len(trip):]
-		err := s.syncTrip(ctx, trip, first, bans, start)
+		unsent, unbanned, err := s.syncTrip(ctx, trip, bans, start, false)
 		if err != nil {
-			y.requeue(trip)
+			y.requeue(unsent)
 			y.requeue(items)
-			if first {
-				y.bansMu.Lock()
-				y.bans = append(bans, y.bans...)
-				y.bansMu.Unlock()
-			}
+			y.bansMu.Lock()
+			y.bans = append(unbanned, y.bans...)
+			y.bansMu.Unlock()
 			if ctx.Err() == nil {
 				s.failed(err)
 				s.logger.Debug("redis sync round", zap.Error(err))
@@ -138,68 +136,72 @@ func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
 		if first {
 			y.lastOK.Store(start.UnixNano())
 		}
-		first = false
+		first, bans = false, nil
 		s.succeeded()
 	}
 }
 
 // syncTrip is one round trip: the fleet's roll call and the round's bans
-// with the first, then the keys' batches (one per Cluster slot on a
-// Cluster).
-func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, first bool, bans []Check, start time.Time) error {
+// with the first (bans not nil), then the keys' batches (one per Cluster
+// slot on a Cluster). It returns what it did not send, and the first
+// error; loaded is true once it has loaded the scripts again.
+func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Check, start time.Time, loaded bool) (unsent []syncItem, unbanned []Check, err error) {
 	y := s.sync
-	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+	tctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
 	ms := start.UnixMilli()
 	pipe := s.client.Pipeline()
-	var fleet *redis.Cmd
-	var banCmds []*redis.Cmd
-	if first {
-		horizon := int64(syncFleetRounds) * max(y.interval.Milliseconds(), 1)
-		fleet = fleetScript.EvalSha(ctx, pipe, []string{s.prefix + "fleet"}, ms, y.id, horizon)
-		for _, c := range bans {
-			base := s.base(c.Name, s.tag(c.Key))
-			banCmds = append(banCmds, banScript.EvalSha(ctx, pipe, []string{base + "b", base + "s", base + "r"},
-				c.Limit.Ban.Milliseconds(), c.Limit.BanMax.Milliseconds()))
-		}
+	horizon := int64(syncFleetRounds) * max(y.interval.Milliseconds(), 1)
+	fleet := fleetScript.EvalSha(tctx, pipe, []string{s.prefix + "fleet"}, ms, y.id, horizon)
+	banCmds := make([]*redis.Cmd, len(bans))
+	for i, c := range bans {
+		base := s.base(c.Name, s.tag(c.Key))
+		banCmds[i] = banScript.EvalSha(tctx, pipe, []string{base + "b", base + "s", base + "r"},
+			c.Limit.Ban.Milliseconds(), c.Limit.BanMax.Milliseconds())
 	}
 	batches := y.batches(s, items)
 	cmds := make([]*redis.Cmd, len(batches))
 	for i, b := range batches {
-		cmds[i] = s.syncCmd(ctx, pipe, b, ms)
+		cmds[i] = s.syncCmd(tctx, pipe, b, ms)
 	}
-	_, err := pipe.Exec(ctx)
-	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+	_, err = pipe.Exec(tctx)
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") && !loaded {
 		// Redis lost its scripts (a restart): load them and send again,
 		// which writes the same counts, and send every running window's
 		// counts at the next round.
 		y.resend.Store(true)
 		for _, sc := range []*redis.Script{fleetScript, banScript, syncScript} {
-			if err := sc.Load(ctx, s.client).Err(); err != nil {
-				return err
+			if err := sc.Load(tctx, s.client).Err(); err != nil {
+				return items, bans, err
 			}
 		}
-		return s.syncTrip(ctx, items, first, bans, start)
-	}
-	if err != nil && !errors.Is(err, redis.Nil) {
-		return err
+		return s.syncTrip(ctx, items, bans, start, true)
 	}
 	y.stats.roundTrips.Add(1)
-	if fleet != nil {
-		if r, err := cmd64s(fleet); err == nil && len(r) == 2 {
-			y.fleet.Store(max(r[0], 1))
-			y.rank.Store(r[1])
-		}
+	// Each command has its own outcome: what Redis did is taken, the
+	// rest goes to the next round.
+	if r, err := cmd64s(fleet); err == nil && len(r) == 2 {
+		y.fleet.Store(max(r[0], 1))
+		y.rank.Store(r[1])
 	}
 	for i, cmd := range banCmds {
 		if b, err := cmd.Int64(); err == nil {
 			y.banned(&bans[i], start, b)
+		} else {
+			unbanned = append(unbanned, bans[i])
 		}
 	}
 	for i, b := range batches {
-		res, err := cmd64s(cmds[i])
-		if err != nil || len(res) != 5*len(b) {
-			return fmt.Errorf("redis sync script: %d values for %d keys: %v", len(res), len(b), err)
+		res, cerr := cmd64s(cmds[i])
+		if cerr == nil && len(res) != 5*len(b) {
+			cerr = fmt.Errorf("redis sync script: %d values for %d keys", len(res), len(b))
+		}
+		if cerr != nil {
+			unsent = append(unsent, b...)
+			if err == nil {
+				err = cerr
+			}
+			continue
 		}
 		y.stats.batches.Add(1)
 		y.stats.keys.Add(uint64(len(b)))
@@ -207,7 +209,10 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, first bool,
 			y.apply(&b[j], res[5*j:5*j+5], start)
 		}
 	}
-	return nil
+	if err != nil && errors.Is(err, redis.Nil) {
+		err = nil
+	}
+	return unsent, unbanned, err
 }
 
 // syncCmd queues the script call of one batch on pipe: each key's count
