@@ -97,6 +97,15 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 				if got != admitted.Load() {
 					t.Errorf("Redis holds %d, the fleet admitted %d", got, admitted.Load())
 				}
+				// The bounds of docs/redis.md, for clients hammering the
+				// key on every instance from the window's start.
+				bound := int64(limit.Max + (n-1)*limit.Max)
+				if spend == SyncShare {
+					bound = int64(limit.Max + (n-1)*((limit.Max+n-1)/n))
+				}
+				if a := admitted.Load(); a < int64(limit.Max) || a > bound {
+					t.Errorf("admitted %d, want from %d to %d", a, limit.Max, bound)
+				}
 			})
 		}
 	}
