@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -348,5 +349,40 @@ func TestRedisSyncSeveralLimits(t *testing.T) {
 		if err != nil || n != 2 {
 			t.Errorf("limit %q: Redis holds %d (%v), want 2", name, n, err)
 		}
+	}
+}
+
+// With hash_keys, sync mode writes only the keys' HMACs to Redis, and an
+// unblock by the hash drops the instance's count of the key.
+func TestRedisSyncHashedKeys(t *testing.T) {
+	srv := redistest.Start(t)
+	s := manualFleet(t, srv, 1, RedisStoreOptions{HashKey: []byte("secret")})[0]
+	limit := Limit{Window: time.Minute, Max: 5}
+	untilWindowStarts(limit.Window, 5*time.Second)
+	admit(t, s, "203.0.113.7", limit, 3)
+	round(s)
+	ctx := context.Background()
+	keys, err := s.client.Keys(ctx, s.prefix+"*").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if strings.Contains(k, "203.0.113.7") {
+			t.Errorf("Redis holds the raw key: %s", k)
+		}
+	}
+	if got := count(t, s, s.Tag("203.0.113.7")); got != 3 {
+		t.Fatalf("Redis holds %d under the key's hash, want 3 (keys: %v)", got, keys)
+	}
+	admit(t, s, "203.0.113.7", limit, 1) // not sent yet
+	if found, err := s.Forget(ctx, s.Tag("203.0.113.7")); err != nil || !found {
+		t.Fatalf("forget by hash: %t %v", found, err)
+	}
+	if s.Len() != 0 {
+		t.Errorf("the instance still holds %d keys after the unblock", s.Len())
+	}
+	round(s)
+	if got := count(t, s, s.Tag("203.0.113.7")); got != 0 {
+		t.Errorf("after the unblock Redis holds %d", got)
 	}
 }
