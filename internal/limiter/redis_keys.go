@@ -28,8 +28,13 @@ func (s *RedisStore) tag(key string) string {
 // Cluster hash tag, so both keys of a client map to one slot, and so do the
 // keys of one client in every limit. A zone's first limit (name "") has no
 // name in its keys.
-func (s *RedisStore) base(name, tag string) string {
-	b := s.appendBase(make([]byte, 0, baseLen(s.prefix, name, tag)), name, tag)
+func (s *RedisStore) base(name, tag string) string { return s.keyOf(name, tag, "") }
+
+// keyOf returns base(name, tag) followed by suffix ("c" for the count
+// key), in one allocation.
+func (s *RedisStore) keyOf(name, tag, suffix string) string {
+	b := s.appendBase(make([]byte, 0, baseLen(s.prefix, name, tag)+len(suffix)), name, tag)
+	b = append(b, suffix...)
 	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not written again
 }
 

@@ -390,19 +390,23 @@ func (s *RedisStore) runCmd(ctx context.Context, script *redis.Script, full []an
 	if err != nil {
 		return nil, err
 	}
+	return appendInts(into[:0], cmd)
+}
+
+// appendInts appends a script's reply, a list of integers, to into.
+func appendInts(into []int64, cmd *redis.Cmd) ([]int64, error) {
 	vals, err := cmd.Slice()
 	if err != nil {
 		return nil, err
 	}
-	res := into[:0]
 	for _, v := range vals {
 		n, ok := v.(int64)
 		if !ok {
 			return nil, fmt.Errorf("redis store: script reply holds %T, not an integer", v)
 		}
-		res = append(res, n)
+		into = append(into, n)
 	}
-	return res, nil
+	return into, nil
 }
 
 // send sends the command full, its first key at index 3, through the

@@ -61,9 +61,8 @@ type syncTable struct {
 	// ready is closed when the first round has ended, well or not: the
 	// decisions before it wait for it (up to the store's timeout), so
 	// that an instance joining a fleet knows the fleet before it spends.
-	ready     chan struct{}
-	readyOnce sync.Once
-	isReady   atomic.Bool
+	ready    chan struct{}
+	setReady func() // closes ready, once
 }
 
 // syncCounters are the sync loop's figures, for metrics.
@@ -129,6 +128,7 @@ func newSyncTable(interval time.Duration, spend string, id string, maxTracked in
 		spend = SyncShare
 	}
 	y := &syncTable{interval: interval, spend: spend, id: id, seed: maphash.MakeSeed(), ready: make(chan struct{})}
+	y.setReady = sync.OnceFunc(func() { close(y.ready) })
 	for i := range y.shards {
 		y.shards[i].m = make(map[string]*syncEntry)
 	}
@@ -230,7 +230,7 @@ func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
 func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
 	left := int64(l.Max)
 	if l.Sliding {
-		left -= int64(math.Ceil(l.sliding(e.prevFleet+e.prevMine-e.prevSent, 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))))
+		left -= int64(math.Ceil(e.weighs(ms)))
 	}
 	left = max(left, 0)
 	n := max(y.fleet.Load(), 1)
@@ -241,6 +241,17 @@ func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
 	e.budgetFrom = 0
 }
 
+// prevHeld returns the fleet's count of the window before e's, as this
+// instance knows it: the last round's figure and what it admitted since.
+func (e *syncEntry) prevHeld() int64 { return e.prevFleet + e.prevMine - e.prevSent }
+
+// weighs returns what the previous window's count weighs at ms in e's
+// window when it slides (Limit.sliding).
+func (e *syncEntry) weighs(ms int64) float64 {
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond}
+	return l.sliding(e.prevHeld(), 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))
+}
+
 // touch queues e for the next round.
 func (sh *syncShard) touch(e *syncEntry) {
 	if !e.dirty {
@@ -249,19 +260,13 @@ func (sh *syncShard) touch(e *syncEntry) {
 	}
 }
 
-// setReady records that the first round has ended.
-func (y *syncTable) setReady() {
-	y.readyOnce.Do(func() {
-		y.isReady.Store(true)
-		close(y.ready)
-	})
-}
-
 // decideSync is Decide in sync mode: from the table alone, never waiting
 // on Redis once the first round has ended.
 func (s *RedisStore) decideSync(ctx context.Context, checks []Check, now time.Time, out []Verdict) {
 	y := s.sync
-	if !y.isReady.Load() {
+	select {
+	case <-y.ready:
+	default:
 		t := time.NewTimer(time.Duration(s.timeout.Load()))
 		select {
 		case <-y.ready:
@@ -321,7 +326,7 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 	reset := e.end * int64(time.Millisecond)
 	cur := e.fleet + e.mine - e.sent
 	held := float64(cur)
-	prev := e.prevFleet + e.prevMine - e.prevSent
+	prev := e.prevHeld()
 	if l.Sliding {
 		held = l.sliding(prev, cur, reset, t)
 	}
@@ -426,19 +431,16 @@ func (y *syncTable) forget(match func(e *syncEntry) bool) {
 }
 
 // sweep drops the entries whose windows have both ended and that have
-// nothing left to send, and the table's record of removed ones.
+// nothing left to send (a previous count never sent is counted as
+// dropped), and the table's record of removed ones.
 func (y *syncTable) sweep(ms int64) {
-	for i := range y.shards {
-		sh := &y.shards[i]
-		sh.mu.Lock()
-		for _, e := range sh.m {
-			if e.end+e.window <= ms && !e.dirty && e.banUntil <= ms*int64(time.Millisecond) {
-				y.drop(e.prevMine - e.prevSent)
-				y.remove(sh, e)
-			}
+	y.forget(func(e *syncEntry) bool {
+		if e.end+e.window > ms || e.dirty || e.banUntil > ms*int64(time.Millisecond) {
+			return false
 		}
-		sh.mu.Unlock()
-	}
+		y.drop(e.prevMine - e.prevSent)
+		return true
+	})
 	y.fifoMu.Lock()
 	y.fifo = slices.DeleteFunc(y.fifo, func(e *syncEntry) bool { return e.gone })
 	y.fifoMu.Unlock()

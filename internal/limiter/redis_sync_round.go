@@ -9,7 +9,6 @@ import (
 	"math"
 	"strconv"
 	"time"
-	"unsafe"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -180,7 +179,7 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Chec
 	y.stats.roundTrips.Add(1)
 	// Each command has its own outcome: what Redis did is taken, the
 	// rest goes to the next round.
-	if r, err := cmd64s(fleet); err == nil && len(r) == 2 {
+	if r, err := appendInts(nil, fleet); err == nil && len(r) == 2 {
 		y.fleet.Store(max(r[0], 1))
 		y.rank.Store(r[1])
 	}
@@ -192,7 +191,7 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Chec
 		}
 	}
 	for i, b := range batches {
-		res, cerr := cmd64s(cmds[i])
+		res, cerr := appendInts(make([]int64, 0, 5*len(b)), cmds[i])
 		if cerr == nil && len(res) != 5*len(b) {
 			cerr = fmt.Errorf("redis sync script: %d values for %d keys", len(res), len(b))
 		}
@@ -245,30 +244,6 @@ func flag(b bool) int {
 	return 0
 }
 
-// countKey returns the count key of a client tag in the named limit:
-// base(name, tag) and "c", in one allocation.
-func (s *RedisStore) countKey(name, tag string) string {
-	b := append(s.appendBase(make([]byte, 0, baseLen(s.prefix, name, tag)+1), name, tag), 'c')
-	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not written again
-}
-
-// cmd64s reads a script's reply of integers.
-func cmd64s(cmd *redis.Cmd) ([]int64, error) {
-	vals, err := cmd.Slice()
-	if err != nil {
-		return nil, err
-	}
-	out := make([]int64, len(vals))
-	for i, v := range vals {
-		n, ok := v.(int64)
-		if !ok {
-			return nil, fmt.Errorf("script reply holds %T, not an integer", v)
-		}
-		out[i] = n
-	}
-	return out, nil
-}
-
 // batches splits a round trip's items into script calls: on a Cluster, one
 // or more per slot, since a script's keys must share one.
 func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
@@ -319,15 +294,14 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 				e.tag = s.tag(e.key)
 			}
 			it := syncItem{
-				e: e, shard: i, key: s.countKey(e.name, e.tag),
+				e: e, shard: i, key: s.keyOf(e.name, e.tag, "c"),
 				end: e.end, window: e.window, mine: e.mine, prev: -1,
 				refused: e.refused, bans: e.bans,
 				max: e.max, waiting: e.rounds < 2,
 			}
 			it.weighs = -1 // a fixed window: the previous count is not read
 			if e.sliding {
-				prev := e.prevFleet + e.prevMine - e.prevSent
-				it.weighs = int64(math.Ceil(float64(prev) * min(max(float64(e.end-ms)/float64(e.window), 0), 1)))
+				it.weighs = int64(math.Ceil(e.weighs(ms)))
 			}
 			if e.prevMine != e.prevSent {
 				it.prev = e.prevMine
