@@ -217,15 +217,15 @@ func (sc *StoreConfig) check() error {
 // sync mode gives no meaning.
 func (sc *StoreConfig) checkSync() []error {
 	var errs []error
-	sync := time.Duration(sc.Sync)
+	interval := time.Duration(sc.Sync)
 	switch {
-	case sync == 0:
+	case interval == 0:
 		if sc.SyncSpend != "" {
 			errs = append(errs, fmt.Errorf("sync_spend %q needs sync", sc.SyncSpend))
 		}
 		return errs
-	case sync < limiter.MinSyncInterval || sync > limiter.MaxSyncInterval:
-		errs = append(errs, fmt.Errorf("invalid sync %s: must be from %s to %s", sync, limiter.MinSyncInterval, limiter.MaxSyncInterval))
+	case interval < limiter.MinSyncInterval || interval > limiter.MaxSyncInterval:
+		errs = append(errs, fmt.Errorf("invalid sync %s: must be from %s to %s", interval, limiter.MinSyncInterval, limiter.MaxSyncInterval))
 	}
 	switch sc.SyncSpend {
 	case "", limiter.SyncShare, limiter.SyncAll:

@@ -264,14 +264,14 @@ func (rl *RateLimit) checkSync() []error {
 	if !rl.Store.isRedis() || rl.Store.Sync == 0 {
 		return nil
 	}
-	sync := time.Duration(rl.Store.Sync)
+	interval := time.Duration(rl.Store.Sync)
 	var errs []error
 	if rl.Algorithm == AlgorithmGCRA {
-		errs = append(errs, fmt.Errorf("invalid algorithm %q with sync %s: a GCRA bucket is one arrival time, which instances cannot count apart and add up; use fixed or sliding", rl.Algorithm, sync))
+		errs = append(errs, fmt.Errorf("invalid algorithm %q with sync %s: a GCRA bucket is one arrival time, which instances cannot count apart and add up; use fixed or sliding", rl.Algorithm, interval))
 	}
 	check := func(what string, w time.Duration) {
-		if w != 0 && w < 2*sync {
-			errs = append(errs, fmt.Errorf("invalid %s %s with sync %s: a window must be at least two sync intervals", what, w, sync))
+		if w != 0 && w < 2*interval {
+			errs = append(errs, fmt.Errorf("invalid %s %s with sync %s: a window must be at least two sync intervals", what, w, interval))
 		}
 	}
 	check("window", time.Duration(rl.Window))
