@@ -293,6 +293,21 @@ func TestDryRunWritesNoBan(t *testing.T) {
 		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b != 0 {
 			t.Fatalf("after the reload the key is banned until %d, want no ban", b)
 		}
+		// Its first live refusal bans it, as one under the live config
+		// from the start would be: every later refusal waits for the
+		// ban's end, not the window's.
+		for i := range 3 {
+			resp := request(t, s.Base, "/", "X-Forwarded-For", "198.51.100.80")
+			ra, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+			if resp.StatusCode != http.StatusTooManyRequests || ra < 590 || ra > 600 {
+				t.Fatalf("live request %d: %d, Retry-After %q, want 429 and the ban's 600 s",
+					i+1, resp.StatusCode, resp.Header.Get("Retry-After"))
+			}
+		}
+		awaitSync(name)
+		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b < time.Now().Add(590*time.Second).Unix() {
+			t.Fatalf("after its first live refusal the key is banned until %d, want 10 minutes from now", b)
+		}
 	})
 }
 

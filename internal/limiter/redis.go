@@ -228,11 +228,12 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	}
 	t := now.UnixNano()
 	var resets [MaxChecks]int64
+	var pending [MaxChecks]bool
 	cached := false
 	for i := range checks {
 		c := &checks[i]
-		if reset, ok := s.refused.get(cacheKey(c.Name, c.Key), t, &c.Limit); ok {
-			resets[i], cached = reset, true
+		if reset, pend, ok := s.refused.get(cacheKey(c.Name, c.Key), t, c); ok {
+			resets[i], pending[i], cached = reset, pend, true
 		}
 	}
 	if cached {
@@ -242,7 +243,7 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 			c := &checks[i]
 			out[i] = Verdict{Allowed: true, Max: c.Limit.Max, Remaining: c.Limit.Max, Reset: now.Add(c.Limit.Window)}
 			if r := resets[i]; r != 0 {
-				out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, r), RetryAfter: time.Duration(r - t)}
+				out[i] = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, r), RetryAfter: time.Duration(r - t), PendingBan: pending[i]}
 			}
 		}
 		return nil
@@ -271,7 +272,8 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 			// for a sliding window when the previous count has faded
 			// enough (or the ban's end). A costly request's refusal is
 			// not: its wait is not a cheaper request's.
-			s.refused.put(cacheKey(c.Name, c.Key), t+int64(out[i].RetryAfter), c.Limit.Max, t)
+			unbanned := c.Limit.Ban == 0 || out[i].PendingBan
+			s.refused.put(cacheKey(c.Name, c.Key), t+int64(out[i].RetryAfter), c.Limit.Max, unbanned, t)
 		}
 	}
 	return nil
@@ -400,7 +402,7 @@ func (s *RedisStore) Ban(ctx context.Context, c Check, now time.Time) (time.Time
 		return time.Time{}, fmt.Errorf("banning redis key %q: %w", base+"b", err)
 	}
 	until := now.Add(time.Duration(ms) * time.Millisecond)
-	s.refused.put(cacheKey(c.Name, c.Key), until.UnixNano(), c.Limit.Max, now.UnixNano())
+	s.refused.put(cacheKey(c.Name, c.Key), until.UnixNano(), c.Limit.Max, false, now.UnixNano())
 	return until, nil
 }
 

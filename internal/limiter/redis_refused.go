@@ -94,6 +94,10 @@ type refusedEntry struct {
 	reset   int64 // Unix nanoseconds at which the window resets
 	max     int   // the limit it is over: a raised limit ignores the entry
 	pending int   // refusals answered from the cache, not yet tallied in Redis
+	// unbanned is true for a refusal that settled no ban: its limit did
+	// not ban, or the check was NoBan (a dry run, requests in flight).
+	// A check that bans does not take the entry's answer: see get.
+	unbanned bool
 }
 
 // pendingRefusals are the refusals of one key that the cache answered and
@@ -120,31 +124,37 @@ func (c *refusedCache) shard(key string) *refusedShard {
 	return &c.shards[maphash.String(c.seed, key)%uint64(len(c.shards))]
 }
 
-// get returns the reset time of key if it is known to be over limit at t,
-// and then counts one refusal for drain.
-func (c *refusedCache) get(key string, t int64, limit *Limit) (int64, bool) {
+// get returns the reset time of key if it is known to be over c's limit at
+// t, and then counts one refusal for drain. A refusal that settled no ban
+// answers a check that bans only as the script would: a NoBan check gets
+// it with pending true (Verdict.PendingBan); any other goes to Redis, which
+// starts the ban (and its escalation) at this refusal.
+func (c *refusedCache) get(key string, t int64, check *Check) (reset int64, pending, ok bool) {
+	limit := &check.Limit
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	e, ok := sh.m[key]
-	if !ok {
-		return 0, false
+	e, found := sh.m[key]
+	if !found {
+		return 0, false, false
 	}
+	bans := e.unbanned && limit.Ban > 0
 	// An entry that a shorter window cuts short (a reload shortened it)
-	// goes: Redis, which cuts its window too, decides instead.
-	if t >= e.reset || (limit.Ban == 0 && limit.End(e.reset, t) != e.reset) {
+	// goes: Redis, which cuts its window too, decides instead. So does
+	// one that a check now owes a ban (a dry run went live).
+	if t >= e.reset || (limit.Ban == 0 && limit.End(e.reset, t) != e.reset) || (bans && !check.NoBan) {
 		delete(sh.m, key)
-		return 0, false
+		return 0, false, false
 	}
 	if limit.Max > e.max {
-		return 0, false
+		return 0, false, false
 	}
 	e.pending++
 	sh.m[key] = e
 	if !c.dirty.Load() { // a flood reads the flag, never writes it
 		c.dirty.Store(true)
 	}
-	return e.reset, true
+	return e.reset, bans, true
 }
 
 // drain returns the refusals counted by get since the last drain and
@@ -169,8 +179,9 @@ func (c *refusedCache) drain() []pendingRefusals {
 	return out
 }
 
-// put records that key is over limitMax until reset.
-func (c *refusedCache) put(key string, reset int64, limitMax int, t int64) {
+// put records that key is over limitMax until reset; unbanned says the
+// refusal settled no ban (refusedEntry.unbanned).
+func (c *refusedCache) put(key string, reset int64, limitMax int, unbanned bool, t int64) {
 	sh := c.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -184,7 +195,7 @@ func (c *refusedCache) put(key string, reset int64, limitMax int, t int64) {
 			return
 		}
 	}
-	sh.m[strings.Clone(key)] = refusedEntry{reset: reset, max: limitMax}
+	sh.m[strings.Clone(key)] = refusedEntry{reset: reset, max: limitMax, unbanned: unbanned}
 }
 
 // forget drops key.

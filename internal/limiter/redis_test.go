@@ -59,7 +59,7 @@ func listening(t testing.TB, s *RedisStore, client redis.UniversalClient) {
 	// once the probe is gone, either one has happened, and so the first.
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
 		now := time.Now()
-		s.refused.put(probe, now.Add(time.Hour).UnixNano(), 1, now.UnixNano())
+		s.refused.put(probe, now.Add(time.Hour).UnixNano(), 1, false, now.UnixNano())
 		client.Publish(context.Background(), s.unblockChannel(), "\x00"+probe)
 		for wait := time.Now().Add(100 * time.Millisecond); time.Now().Before(wait); time.Sleep(5 * time.Millisecond) {
 			if !cached() {
@@ -343,16 +343,16 @@ func TestRedisStoreFlushRefusedPages(t *testing.T) {
 	s := NewRedisStore(RedisStoreOptions{Client: client, Prefix: "flush:"})
 	ctx := context.Background()
 	now := time.Now()
-	lim := Limit{Window: time.Minute, Max: 1}
+	c := Check{Limit: Limit{Window: time.Minute, Max: 1}}
 	keys := 2*flushPage + 7
 	for i := range keys {
 		k := fmt.Sprintf("10.2.%d.%d", i/256, i%256)
-		s.refused.put(k, now.Add(10*time.Second).UnixNano(), 1, now.UnixNano())
-		s.refused.get(k, now.UnixNano(), &lim)
-		s.refused.get(k, now.UnixNano(), &lim)
+		s.refused.put(k, now.Add(10*time.Second).UnixNano(), 1, true, now.UnixNano())
+		s.refused.get(k, now.UnixNano(), &c)
+		s.refused.get(k, now.UnixNano(), &c)
 	}
-	s.refused.put("gone", now.Add(time.Second).UnixNano(), 1, now.UnixNano())
-	s.refused.get("gone", now.UnixNano(), &lim)
+	s.refused.put("gone", now.Add(time.Second).UnixNano(), 1, true, now.UnixNano())
+	s.refused.get("gone", now.UnixNano(), &c)
 	if srv.Kind == redistest.KindReal {
 		if err := client.ConfigResetStat(ctx).Err(); err != nil {
 			t.Fatal(err)
@@ -881,5 +881,48 @@ func TestRedisListenStops(t *testing.T) {
 			t.Fatal("the subscription outlived the store")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A refusal the in-process cache answers settles a ban exactly as the
+// script would: a key over its limit under a check that started no ban (a
+// dry run) is banned at its first refusal by a check that bans, and a
+// NoBan check answered from the cache still reports the pending ban.
+func TestRedisRefusedCacheSettlesBans(t *testing.T) {
+	srv := redistest.Start(t)
+	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
+	listening(t, s, client)
+	ctx := context.Background()
+	now := time.Now()
+	c := Check{Key: "10.9.0.1", Limit: Limit{Window: time.Minute, Max: 2, Ban: time.Hour}, NoBan: true}
+	decide := func(c Check) Verdict {
+		t.Helper()
+		var out [1]Verdict
+		if err := s.Decide(ctx, []Check{c}, now, out[:]); err != nil {
+			t.Fatal(err)
+		}
+		return out[0]
+	}
+	for range 2 {
+		if v := decide(c); !v.Allowed {
+			t.Fatalf("dry run within max: %+v, want admitted", v)
+		}
+	}
+	for i := range 2 { // the script's refusal, then the cache's
+		if v := decide(c); v.Allowed || !v.PendingBan || v.RetryAfter > time.Minute {
+			t.Fatalf("dry-run refusal %d: %+v, want refused until the window's end, ban pending", i+1, v)
+		}
+	}
+	if n := client.Exists(ctx, s.base("", s.tag(c.Key))+"b").Val(); n != 0 {
+		t.Fatal("a NoBan refusal wrote a ban")
+	}
+	c.NoBan = false
+	for i := range 2 {
+		if v := decide(c); v.Allowed || v.PendingBan || v.RetryAfter < 59*time.Minute {
+			t.Fatalf("live refusal %d: %+v, want refused for the ban's hour", i+1, v)
+		}
+	}
+	if ttl := client.PTTL(ctx, s.base("", s.tag(c.Key))+"b").Val(); ttl < 59*time.Minute {
+		t.Fatalf("ban key's TTL %s, want about an hour", ttl)
 	}
 }
