@@ -87,6 +87,7 @@ func (a AdminAPI) Routes() []caddy.AdminRoute {
 
 // serveHTTP dispatches on the path: the zone list, or one zone.
 func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
+	keepPrivate(w.Header()) // errors too: Caddy's admin endpoint writes them to w
 	path := r.URL.EscapedPath()
 	rest, ok := strings.CutPrefix(path+"/", adminPrefix)
 	if !ok {
@@ -430,6 +431,14 @@ func allowMethod(w http.ResponseWriter, r *http.Request, method string) error {
 // body {"error": "..."}.
 func apiError(status int, err error) error {
 	return caddy.APIError{HTTPStatus: status, Err: err}
+}
+
+// keepPrivate marks an answer of the admin API or the console, which holds
+// client keys, as one no cache keeps and no browser reads as anything but
+// its Content-Type.
+func keepPrivate(h http.Header) {
+	h.Set("Cache-Control", "no-store")
+	h.Set("X-Content-Type-Options", "nosniff")
 }
 
 // writeJSON answers 200 with v as JSON.

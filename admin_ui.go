@@ -62,9 +62,7 @@ func serveDashboardPage(w http.ResponseWriter, r *http.Request, page []byte) err
 	h := w.Header()
 	h.Set("Content-Type", "text/html; charset=utf-8")
 	h.Set("Content-Security-Policy", dashboardCSP)
-	h.Set("X-Content-Type-Options", "nosniff")
-	h.Set("X-Frame-Options", "DENY")
-	h.Set("Cache-Control", "no-store")
+	h.Set("X-Frame-Options", "DENY") // Cache-Control and nosniff: keepPrivate
 	// The page's requests to the admin API must carry a Referer of the
 	// page's origin: Caddy's admin endpoint checks the origin of browser
 	// requests and reads it from Referer when a GET carries no Origin.

@@ -38,7 +38,7 @@ func init() {
 // and basic-auth credentials ride along with any request a browser sends,
 // so an unsafe request (any method but GET, HEAD and OPTIONS) that says it
 // is cross-site (Sec-Fetch-Site other than same-origin or none, or an Origin
-// that is not the site's) is refused with 403.
+// whose scheme, host or port is not the request's) is refused with 403.
 //
 // A Console is safe for concurrent use.
 type Console struct {
@@ -92,6 +92,7 @@ const consoleAPI = "api/"
 // ServeHTTP serves the page or the JSON API. It never calls next: the
 // console answers every request its matcher gives it.
 func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	keepPrivate(w.Header())
 	if crossSite(r) {
 		return writeConsoleError(w, caddy.APIError{HTTPStatus: http.StatusForbidden,
 			Err: errors.New("cross-site request refused: the console answers unsafe requests from its own site only")})
@@ -159,8 +160,9 @@ func (c *Console) servePage(w http.ResponseWriter, r *http.Request) error {
 }
 
 // crossSite reports whether r is an unsafe request that says it comes
-// from another site: the browser's Sec-Fetch-Site, or an Origin whose host
-// is not the request's.
+// from another site: the browser's Sec-Fetch-Site, or an Origin that is not
+// the request's own by the Fetch standard's rule (same scheme, host and
+// port; an empty or opaque Origin is never same-origin).
 func crossSite(r *http.Request) bool {
 	switch r.Method {
 	case http.MethodGet, http.MethodHead, http.MethodOptions:
@@ -171,11 +173,46 @@ func crossSite(r *http.Request) bool {
 	default:
 		return true
 	}
-	if o := r.Header.Get("Origin"); o != "" {
-		u, err := url.Parse(o)
-		return err != nil || u.Host == "" || !strings.EqualFold(u.Host, r.Host)
+	origins, sent := r.Header["Origin"]
+	return sent && (len(origins) != 1 || !sameOrigin(origins[0], r))
+}
+
+// sameOrigin reports whether origin, an Origin header's value, names the
+// origin r was sent to: the scheme the browser used (the connection's, or
+// X-Forwarded-Proto from one of the server's trusted proxies, which
+// terminated TLS), the Host's name and its port, a scheme's default port
+// when the Host names none.
+func sameOrigin(origin string, r *http.Request) bool {
+	u, err := url.Parse(origin)
+	if err != nil || u.Host == "" || u.User != nil || u.Path != "" || u.RawQuery != "" || u.Fragment != "" {
+		return false
 	}
-	return false
+	scheme := "http"
+	if r.TLS != nil {
+		scheme = "https"
+	}
+	if trusted, _ := caddyhttp.GetVar(r.Context(), caddyhttp.TrustedProxyVarKey).(bool); trusted {
+		switch p := strings.ToLower(r.Header.Get("X-Forwarded-Proto")); p {
+		case "http", "https":
+			scheme = p
+		}
+	}
+	if !strings.EqualFold(u.Scheme, scheme) {
+		return false
+	}
+	host := &url.URL{Host: r.Host}
+	return strings.EqualFold(u.Hostname(), host.Hostname()) && portOr(u, scheme) == portOr(host, scheme)
+}
+
+// portOr returns u's port, or the default port of scheme when u names none.
+func portOr(u *url.URL, scheme string) string {
+	if p := u.Port(); p != "" {
+		return p
+	}
+	if scheme == "https" {
+		return "443"
+	}
+	return "80"
 }
 
 // writeConsoleError answers an admin API error as the admin endpoint does,
@@ -188,7 +225,6 @@ func writeConsoleError(w http.ResponseWriter, err error) error {
 	}
 	body, _ := json.Marshal(map[string]string{"error": err.Error()})
 	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Content-Type-Options", "nosniff")
 	w.WriteHeader(status)
 	_, werr := w.Write(append(body, '\n'))
 	return werr

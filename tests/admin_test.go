@@ -28,6 +28,13 @@ const trustLoopbackStrict = `servers {
 // the status and body.
 func admin(t *testing.T, method, path string) (int, string) {
 	t.Helper()
+	status, _, body := adminDo(t, method, path)
+	return status, body
+}
+
+// adminDo is admin, with the answer's headers.
+func adminDo(t *testing.T, method, path string) (int, http.Header, string) {
+	t.Helper()
 	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", adminPort, path), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +48,18 @@ func admin(t *testing.T, method, path string) (int, string) {
 	if err != nil {
 		t.Fatalf("reading %s %s: %v", method, path, err)
 	}
-	return resp.StatusCode, string(body)
+	return resp.StatusCode, resp.Header, string(body)
+}
+
+// wantPrivateJSON fails t unless h, the headers of an answer holding client
+// keys (or an error about them), say JSON that no cache keeps and no
+// browser sniffs.
+func wantPrivateJSON(t *testing.T, what string, h http.Header) {
+	t.Helper()
+	if h.Get("Content-Type") != "application/json" || h.Get("Cache-Control") != "no-store" || h.Get("X-Content-Type-Options") != "nosniff" {
+		t.Errorf("%s: Content-Type %q, Cache-Control %q, X-Content-Type-Options %q; want application/json, no-store, nosniff",
+			what, h.Get("Content-Type"), h.Get("Cache-Control"), h.Get("X-Content-Type-Options"))
+	}
 }
 
 // adminJSON sends a GET to the admin endpoint that must answer 200 and
@@ -187,6 +205,26 @@ func TestAdminAPI(t *testing.T) {
 		}
 		if off["status"] != "disabled" || off["enabled"] != false || off["tracked_keys"] != 0.0 {
 			t.Errorf("e2e-admin-off = %v, want disabled, enabled false, no keys", off)
+		}
+	})
+
+	t.Run("private answers", func(t *testing.T) {
+		for _, tc := range []struct {
+			method, path string
+			status       int
+		}{
+			{http.MethodGet, "/rate_limit/", http.StatusOK},
+			{http.MethodGet, "/rate_limit/e2e-admin", http.StatusOK},
+			{http.MethodGet, "/rate_limit/e2e-admin?sort=nope", http.StatusBadRequest},
+			{http.MethodGet, "/rate_limit/no-such-zone", http.StatusNotFound},
+			{http.MethodPost, "/rate_limit/e2e-admin", http.StatusMethodNotAllowed},
+			{http.MethodDelete, "/rate_limit/e2e-admin?key=192.0.2.250", http.StatusNotFound},
+		} {
+			status, h, body := adminDo(t, tc.method, tc.path)
+			if status != tc.status {
+				t.Errorf("%s %s: %d %s, want %d", tc.method, tc.path, status, body, tc.status)
+			}
+			wantPrivateJSON(t, tc.method+" "+tc.path, h)
 		}
 	})
 

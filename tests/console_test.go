@@ -102,30 +102,43 @@ func TestConsoleSiteHandler(t *testing.T) {
 		if status != http.StatusOK || !strings.Contains(body, `data-api="./api/"`) || !strings.Contains(h.Get("Content-Security-Policy"), "connect-src 'self'") {
 			t.Fatalf("GET %s: %d, CSP %q; want the page, reading ./api/ under its CSP", base, status, h.Get("Content-Security-Policy"))
 		}
-		status, _, body = consoleDo(t, s, http.MethodGet, base+"api/")
+		status, h, body = consoleDo(t, s, http.MethodGet, base+"api/")
+		wantPrivateJSON(t, "GET "+base+"api/", h)
 		var zones []struct {
 			Name string `json:"name"`
 		}
 		if status != http.StatusOK || json.Unmarshal([]byte(body), &zones) != nil || !strings.Contains(body, `"name":"`+zone+`"`) {
 			t.Fatalf("GET %sapi/: %d %s; want the zone list with %s", base, status, body, zone)
 		}
-		status, _, body = consoleDo(t, s, http.MethodGet, base+"api/"+zone)
+		status, h, body = consoleDo(t, s, http.MethodGet, base+"api/"+zone)
 		if status != http.StatusOK || !strings.Contains(body, `"key":"198.51.100.120"`) {
 			t.Fatalf("GET %sapi/%s: %d %s; want the key listed", base, zone, status, body)
 		}
+		wantPrivateJSON(t, "GET "+base+"api/"+zone, h)
 	}
 
 	unblock := "/rate-limits/api/" + zone + "?key=198.51.100.120"
+	// Same origin is the Fetch standard's: scheme, host and port, the
+	// scheme the one the client used (X-Forwarded-Proto counts only from
+	// a trusted proxy, see TestConsoleBehindTLSProxy).
+	hostPort := strings.TrimPrefix(s.Base, "http://")
 	for _, headers := range [][]string{
 		{"Sec-Fetch-Site", "cross-site"},
 		{"Sec-Fetch-Site", "same-site"},
 		{"Origin", "http://evil.example"},
 		{"Origin", "null"},
+		{"Origin", ""},
+		{"Origin", "https://" + hostPort},
+		{"Origin", "http://127.0.0.1:1"},
+		{"Origin", "http://127.0.0.1"},
+		{"Origin", s.Base + "/rate-limits/"},
+		{"Origin", "http://user@" + hostPort},
 	} {
-		status, _, body := consoleDo(t, s, http.MethodDelete, unblock, headers...)
+		status, h, body := consoleDo(t, s, http.MethodDelete, unblock, headers...)
 		if status != http.StatusForbidden || !strings.Contains(body, `"error":"cross-site request refused`) {
-			t.Errorf("DELETE with %s: %d %s; want 403 cross-site", headers, status, body)
+			t.Errorf("DELETE with %q: %d %s; want 403 cross-site", headers, status, body)
 		}
+		wantPrivateJSON(t, fmt.Sprintf("DELETE with %q", headers), h)
 	}
 	if status, _, body := consoleDo(t, s, http.MethodGet, unblock); status != http.StatusBadRequest {
 		t.Fatalf("GET %s: %d %s; want 400 (unblock only by DELETE)", unblock, status, body)
@@ -137,14 +150,50 @@ func TestConsoleSiteHandler(t *testing.T) {
 	}
 	wantStatus(t, request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120"), http.StatusTooManyRequests)
 
-	status, _, body = consoleDo(t, s, http.MethodDelete, unblock, "Sec-Fetch-Site", "same-origin", "Origin", s.Base)
+	status, h, body := consoleDo(t, s, http.MethodDelete, unblock, "Sec-Fetch-Site", "same-origin", "Origin", s.Base)
 	if status != http.StatusOK || !strings.Contains(body, `"forgotten":true`) {
 		t.Fatalf("DELETE from the site: %d %s; want the key forgotten", status, body)
 	}
+	wantPrivateJSON(t, "DELETE from the site", h)
 	wantStatus(t, request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120"), http.StatusOK)
-	status, _, body = consoleDo(t, s, http.MethodGet, "/rate-limits/api/no-such-zone")
+	status, h, body = consoleDo(t, s, http.MethodGet, "/rate-limits/api/no-such-zone")
 	if status != http.StatusNotFound || !strings.Contains(body, `"error":"unknown rate limit zone`) {
 		t.Fatalf("GET an unknown zone: %d %s; want a JSON 404", status, body)
+	}
+	wantPrivateJSON(t, "GET an unknown zone", h)
+}
+
+// Behind a trusted proxy that terminates TLS, the browser's origin is
+// https: the console takes the scheme from X-Forwarded-Proto and allows
+// an unblock from its own origin, and still refuses another scheme. From
+// a peer that is not a trusted proxy the header counts for nothing.
+func TestConsoleBehindTLSProxy(t *testing.T) {
+	zone := "e2e-console-tls"
+	s := startCaddy(t, trustLoopback, fmt.Sprintf(consoleSite, zone, consoleUser, consoleHash))
+	hostPort := strings.TrimPrefix(s.Base, "http://")
+	unblock := "/rate-limits/api/" + zone + "?key=198.51.100.121"
+	for _, tc := range []struct {
+		origin, proto string
+		status        int
+	}{
+		{"http://" + hostPort, "https", http.StatusForbidden},
+		{"https://" + hostPort, "http", http.StatusForbidden},
+		{"https://" + hostPort, "", http.StatusForbidden},
+		{"https://" + hostPort, "https", http.StatusOK},
+	} {
+		request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.121")
+		status, _, body := consoleDo(t, s, http.MethodDelete, unblock, "Origin", tc.origin, "X-Forwarded-Proto", tc.proto)
+		if status != tc.status {
+			t.Errorf("DELETE with Origin %s, X-Forwarded-Proto %q: %d %s; want %d", tc.origin, tc.proto, status, body, tc.status)
+		}
+	}
+
+	s.reload("", fmt.Sprintf(consoleSite, zone, consoleUser, consoleHash)) // no trusted proxies
+	request(t, s.Base, "/app")
+	status, _, body := consoleDo(t, s, http.MethodDelete, "/rate-limits/api/"+zone+"?key=127.0.0.1",
+		"Origin", "https://"+hostPort, "X-Forwarded-Proto", "https")
+	if status != http.StatusForbidden {
+		t.Errorf("DELETE from an untrusted peer claiming https: %d %s; want 403", status, body)
 	}
 }
 
