@@ -17,16 +17,20 @@ import (
 // the answer, holding a request open, dry runs, shared buckets. Each runs
 // on the memory store and on a real redis-server, in exact and in sync mode.
 
+// e2eTimeout is a Redis store's timeout in tests that do not test it: the
+// 100ms default fails decisions on a loaded host.
+const e2eTimeout = "timeout 5s"
+
 // forEachStore runs fn with the store block of each store ("" for memory).
 func forEachStore(t *testing.T, fn func(t *testing.T, name, store string)) {
 	t.Run("memory", func(t *testing.T) { fn(t, "memory", "") })
 	t.Run("redis", func(t *testing.T) {
 		srv := redistest.Start(t)
-		fn(t, "redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", srv.Addr))
+		fn(t, "redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\t%s\n\t\t}", srv.Addr, e2eTimeout))
 	})
 	t.Run("redis sync", func(t *testing.T) {
 		srv := redistest.Start(t)
-		fn(t, "redis-sync", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\tsync 100ms\n\t\t}", srv.Addr))
+		fn(t, "redis-sync", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\tsync 100ms\n\t\t\t%s\n\t\t}", srv.Addr, e2eTimeout))
 	})
 }
 

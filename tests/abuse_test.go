@@ -133,6 +133,7 @@ func TestBanFleet(t *testing.T) {
 		ban 1m
 		store redis {
 			address %s
+			timeout 5s
 		}
 	}
 	respond "ok"
@@ -347,6 +348,7 @@ func TestCountStatusPerLimitRedis(t *testing.T) {
 			}
 			store redis {
 				address %s
+				timeout 5s
 			}
 		}
 		@right header X-Password secret

@@ -30,6 +30,7 @@ func TestFleetUnblockEverywhere(t *testing.T) {
 		key {http.request.header.X-Client}
 		store redis {
 			address %s
+			timeout 5s
 		}
 	}
 	respond "ok"
@@ -80,6 +81,7 @@ func TestFleetSocketCap(t *testing.T) {
 		ws_lease_ttl 3s
 		store redis {
 			address %s
+			timeout 5s
 		}`, srv.Addr), "")
 	in := startCaddy(t, "", site)
 	port := freePort()

@@ -53,7 +53,7 @@ func zoneSummary(t *testing.T, name string) map[string]any {
 func TestRedisAdminAPI(t *testing.T) {
 	srv := redistest.Start(t)
 	const zone = "e2e-redis-admin"
-	s := startCaddy(t, trustLoopback, redisZoneSite(zone, srv.Addr, ""))
+	s := startCaddy(t, trustLoopback, redisZoneSite(zone, srv.Addr, e2eTimeout))
 	// Requests per IP: admitted min(n, 3), refused the rest.
 	sendTraffic(t, s, map[string]int{"203.0.113.1": 5, "203.0.113.10": 6, "203.0.113.2": 2, "203.0.113.3": 2, "198.51.100.7": 1})
 
@@ -166,7 +166,7 @@ func hmacHex(secret, key string) string {
 func TestRedisAdminHashedKeys(t *testing.T) {
 	srv := redistest.Start(t)
 	const zone, secret = "e2e-redis-hashed", "s3cret-for-tests"
-	s := startCaddy(t, trustLoopback, redisZoneSite(zone, srv.Addr, "hash_keys "+secret))
+	s := startCaddy(t, trustLoopback, redisZoneSite(zone, srv.Addr, "hash_keys "+secret+"\n\t\t\t"+e2eTimeout))
 	sendTraffic(t, s, map[string]int{"203.0.113.21": 5, "203.0.113.22": 4, "198.51.100.23": 1})
 	h21, h22, h23 := hmacHex(secret, "203.0.113.21"), hmacHex(secret, "203.0.113.22"), hmacHex(secret, "198.51.100.23")
 

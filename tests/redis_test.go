@@ -349,6 +349,7 @@ func TestRedisReloadKeepsCounts(t *testing.T) {
 		store redis {
 			address %s
 			on_error %s
+			timeout 5s
 		}
 	}
 	respond "ok"

@@ -311,6 +311,7 @@ func memoryAndRedis(prefix, window string, max int, redisAddr string) string {
 			max %[3]d
 			store redis {
 				address %[4]s
+				timeout 5s
 			}
 		}
 		respond "ok"

@@ -17,6 +17,10 @@ import (
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
+// testTimeout is a test store's timeout unless the test sets one: long
+// enough for any busy host, short enough that a hang fails the test.
+const testTimeout = 5 * time.Second
+
 // newTestRedisStore returns a RedisStore on a fresh client to addrs, with
 // its probe running until the test ends.
 func newTestRedisStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*RedisStore, redis.UniversalClient) {
@@ -29,6 +33,11 @@ func newTestRedisStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*R
 	})
 	t.Cleanup(func() { client.Close() })
 	opts.Client = client
+	if opts.Timeout == 0 {
+		// A decision's own 100ms default fails on a loaded host: tests
+		// that time a hung Redis set their timeout.
+		opts.Timeout = testTimeout
+	}
 	if opts.Prefix == "" {
 		opts.Prefix = "test:" + t.Name() + ":"
 	}
