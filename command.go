@@ -20,8 +20,7 @@ func init() {
 		Name:  "rate-limit",
 		Usage: "zones | top <zone> [--by recent_refusals|count] [--limited] [--prefix <p>] [--policy <name>] [-n <n>] | unblock <zone> <key>",
 		Short: "Lists rate limit zones and offenders, and unblocks clients",
-		Long: `
-Talks to the admin API of a running Caddy (the rate_limit module's endpoints
+		Long: `Talks to the admin API of a running Caddy (the rate_limit module's endpoints
 under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
 
   caddy rate-limit zones                  every zone: settings, keys, refusals
@@ -33,10 +32,18 @@ under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
 The admin endpoint is found as 'caddy reload' finds it: --address if given,
 else the admin address of the --config file, else ` + "localhost:2019" + `.
 
+A call the admin API refuses exits with status 1 and prints the API's error
+on stderr; unblock of a key the zone does not track answers 404:
+
+  Error: caddy responded with error: HTTP 404: {"error":"key \"192.0.2.7\" is not tracked in zone \"api\""}
+
 Keys are text that clients choose: a key that is not printable ASCII without
 spaces is printed quoted, in ASCII with Go's escapes, so that the table stays
 aligned and no key passes for columns of its own. --json gives keys as they are.`,
 		CobraFunc: func(cmd *cobra.Command) {
+			// Caddy's footer points to its command-line page, which does
+			// not cover this command.
+			cmd.SetHelpTemplate(cmd.HelpTemplate() + "\n" + docsFooter + "\n")
 			cmd.PersistentFlags().String("address", "", "Address of the administration API listener, if different from config")
 			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of config adapter to apply (with --config)")
@@ -63,6 +70,10 @@ aligned and no key passes for columns of its own. --json gives keys as they are.
 		},
 	})
 }
+
+// docsFooter ends the help of caddy rate-limit and its subcommands.
+const docsFooter = `Full documentation: docs/admin-api.md ("Command line") of
+github.com/caddy-rate-limit/caddy-rate-limit`
 
 // adminCall sends a request to the admin endpoint the flags name and
 // returns the reply's body; an error reply is an error.
