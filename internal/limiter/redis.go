@@ -63,6 +63,10 @@ type RedisStoreOptions struct {
 	Sync time.Duration
 	// SyncSpend is SyncShare (default) or SyncAll.
 	SyncSpend string
+	// SyncTimeout bounds each of sync mode's round trips, apart from a
+	// decision's Timeout: a round of thousands of keys on a busy host
+	// takes longer than one decision. Default: DefaultSyncTimeout.
+	SyncTimeout time.Duration
 }
 
 // RedisStore is a Store whose counters live in Redis, so that every Caddy
@@ -149,7 +153,7 @@ func NewRedisStore(opts RedisStoreOptions) *RedisStore {
 		}
 	}
 	if opts.Sync > 0 {
-		s.sync = newSyncTable(opts.Sync, opts.SyncSpend, newInstanceID(), opts.MaxTracked)
+		s.sync = newSyncTable(opts.Sync, opts.SyncSpend, newInstanceID(), opts.MaxTracked, opts.SyncTimeout)
 	}
 	s.refused.init(opts.MaxTracked)
 	s.counts.init()

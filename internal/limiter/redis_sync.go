@@ -14,9 +14,10 @@ import (
 // How an instance in sync mode spends, between two rounds, what the fleet
 // had left at the last.
 const (
-	// SyncShare spends at most this instance's share of it: what is left
-	// divided by the instances counting the key (before they are known,
-	// the instances that synced recently).
+	// SyncShare spends at most what the last round leased this instance
+	// (sized by its recent demand, lapsing unless renewed) and a spare
+	// share of what no lease holds: half of it, divided among the
+	// instances that synced recently.
 	SyncShare = "share"
 	// SyncAll spends all of it, as if no other instance spent meanwhile.
 	SyncAll = "all"
@@ -49,15 +50,23 @@ type syncTable struct {
 	fifoMu sync.Mutex
 	fifo   []*syncEntry
 
-	fleet   atomic.Int64 // instances that synced recently, this one included
-	rank    atomic.Int64 // this one's rank among them by id, from 0
-	next    atomic.Int64 // when the next round starts (Unix ns)
-	resend  atomic.Bool  // the next round sends every key of a running window
-	bansMu  sync.Mutex
-	bans    []Check // violations to record in Redis (Store.Ban)
-	stats   syncCounters
-	lastOK  atomic.Int64 // when the last round that reached Redis started (Unix ns)
-	started atomic.Int64 // when the sync loop started (Unix ns)
+	fleet  atomic.Int64 // instances that synced recently, this one included
+	rank   atomic.Int64 // this one's rank among them by id, from 0
+	next   atomic.Int64 // when the next round starts (Unix ns)
+	resend atomic.Bool  // the next round sends every key of a running window
+	// epoch names the state Redis holds for the zone (a new one after
+	// Redis lost it); until learnUntil (Unix ns) after a change, rounds
+	// lease no more than they leased before and grant no spare share,
+	// while every instance reports again what it holds.
+	epochMu     sync.Mutex
+	epoch       string
+	learnUntil  atomic.Int64
+	tripTimeout time.Duration // bounds each round trip (sync_timeout)
+	bansMu      sync.Mutex
+	bans        []Check // violations to record in Redis (Store.Ban)
+	stats       syncCounters
+	lastOK      atomic.Int64 // when the last round that reached Redis started (Unix ns)
+	started     atomic.Int64 // when the sync loop started (Unix ns)
 	// ready is closed when the first round has ended, well or not: the
 	// decisions before it wait for it (up to the store's timeout), so
 	// that an instance joining a fleet knows the fleet before it spends.
@@ -92,9 +101,10 @@ type SyncStats struct {
 
 // syncShard is one lock's share of the table.
 type syncShard struct {
-	mu    sync.Mutex
-	m     map[string]*syncEntry // by cacheKey(name, key)
-	dirty []*syncEntry          // touched since the last round
+	mu     sync.Mutex
+	m      map[string]*syncEntry // by cacheKey(name, key)
+	dirty  []*syncEntry          // touched since the last round
+	leased []*syncEntry          // leased something at the last round
 }
 
 // syncEntry is one key of one limit. Times are Unix milliseconds.
@@ -111,23 +121,43 @@ type syncEntry struct {
 	mine, sent, fleet int64
 	// The same for the window before.
 	prevMine, prevSent, prevFleet int64
+	// With SyncShare, this instance may spend past budgetFrom (mine when
+	// the last round started) its lease until leaseUntil (Unix ns) and
+	// its spare share. Past leaseUntil the lease keeps only what was
+	// spent of it (lapse).
+	lease, spare, budgetFrom, leaseUntil int64
+	// asked is what the share refused since the last round: demand the
+	// next lease covers.
+	asked int64
+	// held is what the other instances' live leases held at the last
+	// round.
+	held int64
+	// leased is true while the entry is in its shard's leased list.
+	leased bool
 	// rounds is how many rounds have read the window.
-	rounds int64
-	// budget is what this instance may spend past budgetFrom until the
-	// next round (SyncShare).
-	budget, budgetFrom int64
-	refused            int64 // refusals not yet added to the tally
-	refusedAny         bool  // a refusal in the window (FirstRefusal)
-	bans               bool  // the limit bans: a round reads the ban
-	banUntil           int64 // Unix ns
-	dirty, gone        bool
+	rounds      int64
+	refused     int64 // refusals not yet added to the tally
+	refusedAny  bool  // a refusal in the window (FirstRefusal)
+	bans        bool  // the limit bans: a round reads the ban
+	banUntil    int64 // Unix ns
+	dirty, gone bool
 }
 
-func newSyncTable(interval time.Duration, spend string, id string, maxTracked int) *syncTable {
+// DefaultSyncTimeout returns the bound on each of a sync round's round
+// trips for interval when none is set: the interval, and at least a
+// second.
+func DefaultSyncTimeout(interval time.Duration) time.Duration {
+	return max(interval, time.Second)
+}
+
+func newSyncTable(interval time.Duration, spend string, id string, maxTracked int, tripTimeout time.Duration) *syncTable {
 	if spend == "" {
 		spend = SyncShare
 	}
-	y := &syncTable{interval: interval, spend: spend, id: id, seed: maphash.MakeSeed(), ready: make(chan struct{})}
+	if tripTimeout <= 0 {
+		tripTimeout = DefaultSyncTimeout(interval)
+	}
+	y := &syncTable{interval: interval, spend: spend, id: id, tripTimeout: tripTimeout, seed: maphash.MakeSeed(), ready: make(chan struct{})}
 	y.setReady = sync.OnceFunc(func() { close(y.ready) })
 	for i := range y.shards {
 		y.shards[i].m = make(map[string]*syncEntry)
@@ -176,7 +206,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 			e.prevMine, e.prevSent, e.prevFleet = 0, 0, 0
 		}
 		e.end, e.mine, e.sent, e.fleet = end, 0, 0, 0
-		e.rounds, e.refusedAny = 0, false
+		e.refusedAny = false
 		y.prior(e, &c.Limit, ms)
 	}
 	return e
@@ -223,22 +253,36 @@ func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
 	y.len.Add(-1)
 }
 
-// prior sets e's budget before a round has read its window: its share of
-// what the previous window leaves among the instances that synced
-// recently. The shares add up to what is left: the first instances by id
-// take one more unit each of what does not divide evenly.
+// prior sets e's budget before a round has read its window: no lease, and
+// the spare share of all that the previous window leaves (this instance
+// knows nothing yet of what the others spent).
 func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
 	left := int64(l.Max)
 	if l.Sliding {
 		left -= int64(math.Ceil(e.weighs(ms)))
 	}
-	left = max(left, 0)
+	e.lease, e.leaseUntil, e.budgetFrom, e.asked, e.rounds = 0, 0, 0, 0, 0
+	e.spare = y.spareOf(left)
+}
+
+// spareOf returns this instance's spare share of free units: all of them
+// while it is alone, else half of them divided among the instances that
+// synced recently. The shares add up to that half exactly: the first
+// instances by id take one more unit each of what does not divide evenly.
+// Half, so that instances which joined since the others last spent (and
+// know nothing of it) take at most half of what was free between them.
+func (y *syncTable) spareOf(free int64) int64 {
+	free = max(free, 0)
 	n := max(y.fleet.Load(), 1)
-	e.budget = left / n
-	if y.rank.Load() < left%n {
-		e.budget++
+	if n == 1 {
+		return free
 	}
-	e.budgetFrom = 0
+	half := (free + 1) / 2
+	spare := half / n
+	if y.rank.Load() < half%n {
+		spare++
+	}
+	return spare
 }
 
 // prevHeld returns the fleet's count of the window before e's, as this
@@ -341,9 +385,10 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 		v.RetryAfter = max(l.slidingWait(prev, cur, reset, t, cost), time.Millisecond)
 	case !fits:
 		v.RetryAfter = time.Duration(reset - t)
-	case y.spend == SyncShare && e.mine-e.budgetFrom+cost > e.budget:
-		// This instance's share is spent: the next round tells what is
-		// left.
+	case y.spend == SyncShare && e.mine-e.budgetFrom+cost > y.budget(e, t):
+		// This instance's share is spent: the next round leases it more
+		// if the fleet has it.
+		e.asked += cost
 		v.RetryAfter = max(time.Duration(y.next.Load()-t), time.Millisecond)
 	default:
 		v.Allowed = true
@@ -362,6 +407,26 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 		v.Reset = time.Unix(0, t).Add(v.RetryAfter)
 	}
 	return v
+}
+
+// budget returns what e may spend past budgetFrom at t (Unix ns): its
+// lease and spare share until they lapse. Past leaseUntil Redis counts
+// them no more, and the instance spends, until its next round, a spare
+// share of what it last knew free (neither counted nor leased to others),
+// as an instance that joins does.
+func (y *syncTable) budget(e *syncEntry, t int64) int64 {
+	if e.leaseUntil != 0 && t >= e.leaseUntil {
+		spent := max(e.mine-e.budgetFrom, 0)
+		left := e.max - (e.fleet + e.mine - e.sent) - e.held
+		if e.sliding {
+			left -= int64(math.Ceil(e.weighs(t / int64(time.Millisecond))))
+		}
+		e.lease, e.spare, e.leaseUntil = min(e.lease+e.spare, spent), y.spareOf(left), 0
+		if y.learning(t) {
+			e.spare = 0 // what others hold is not known again yet
+		}
+	}
+	return e.lease + e.spare
 }
 
 // startBan bans e's key here at once for the limit's first ban, and queues

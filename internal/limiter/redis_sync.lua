@@ -16,32 +16,59 @@
 -- window ended. A count for a window older than that is never sent, and one
 -- for a window Redis has already left behind is dropped (-1).
 --
--- Between two rounds an instance spends only what it holds: with spend
--- share, the round reserves it a share of what no instance holds (its
--- field is "count/reserved"), so that the fleet's counts and reservations
--- never add up to more than max. An instance not yet counted in the window
--- is taken to hold its first share (max over the instances that synced
--- recently) until this one's second round of the window, when every
--- instance that touched the key before its first has had a round.
+-- With spend share, an instance spends between two rounds what a round
+-- leased it: the units it asked for (its recent demand) of what neither
+-- the counts nor the other instances' live leases hold, and a spare share
+-- of what is left after that (half of it divided among the instances that
+-- synced recently). Its lease
+-- lapses at its end unless a round renews it: capacity an instance stopped
+-- using is free again within the lease's length, wherever the requests
+-- went. Its field is "count/leased/until" (leased: lease and spare share;
+-- until in Unix ms); a lapsed lease holds nothing. An instance not yet
+-- counted in the window is taken to hold its first spare share (half of
+-- what is left over the instances, see prior in redis_sync.go) until this
+-- one's second round of the window, when every instance that touched the
+-- key before its first has had a round.
 --
 --   ARGV[1] now in Unix milliseconds (the instance's clock); ARGV[2] the
---   instance's id; ARGV[3] the instances that synced recently; ARGV[4] 1
---   for spend share.
+--   instance's id; ARGV[3] the lease's end (Unix ms); ARGV[4] 1 for spend
+--   share; ARGV[5] the instances that synced recently; ARGV[6] this one's
+--   rank among them by id, from 0; ARGV[7] 1 while learning (no spare).
 -- For key i, KEYS[i] is its count key; its other keys end in another
 -- letter instead of c, under the same hash tag, so in the same Cluster
 -- slot: p the previous count, h and q the instances' counts of the window
 -- and of the one before (hashes), r the refused tally, b the ban. ARGV[i+4]
--- holds its 9 numbers, separated by spaces: the end of the instance's
+-- holds its 11 numbers, separated by spaces: the end of the instance's
 -- window (Unix ms), the window (ms), the instance's count of it, its count
 -- of the previous window (-1: not sent), refusals to add to the tally, 1 to
--- read the ban, max, 1 while instances not yet counted are taken to hold
--- their first share, and the units the previous window weighs (-1: a fixed
--- window, whose previous count is not read).
--- Returns 5 values per key: the fleet's count of the window (-1: dropped,
+-- read the ban, max, the units the instance asks to lease, 1 when the
+-- instance wrote its count of the window before (if Redis has it no more,
+-- Redis lost its state, and the round leases nothing), 1 for the
+-- instance's first two rounds of the window, and the units the previous
+-- window weighs (-1: a fixed window, whose previous count is not read).
+-- Returns 7 values per key: the fleet's count of the window (-1: dropped,
 -- the window has ended in Redis), how many instances counted in it, the
 -- fleet's count of the previous window, the milliseconds left of the key's
--- ban (0: none), the units reserved to the instance (spend share).
-local now, inst, fleet, share = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
+-- ban (0: none), the units leased to the instance, its spare share (none
+-- when it asked for nothing: it gives its lease back), and what the other
+-- instances' live leases hold (spend share).
+local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
+local fleet, rank, learning = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
+
+-- spare returns the instance's spare share of free units: half of them
+-- divided among the fleet (the first by id take one more unit each of
+-- what does not divide evenly). Half even for an instance alone, which
+-- may not know yet of instances that just joined, and holds its lease
+-- and spare share from them until they lapse.
+local function spare(free)
+	free = math.max(free, 0)
+	local half = math.floor((free + 1) / 2)
+	local s = math.floor(half / fleet)
+	if rank < half % fleet then
+		s = s + 1
+	end
+	return s
+end
 
 -- num returns the integer key k holds, 0 when none.
 local function num(k)
@@ -53,24 +80,29 @@ local function num(k)
 end
 
 -- others returns the other instances' counts in hash hk, summed, what
--- they hold reserved, summed, and how many they are; a key under hk that
--- is not a hash (a hand-made SET) goes.
+-- their live leases hold, summed, how many they are, and whether hk holds
+-- this instance's field; a key under hk that is not a hash (a hand-made
+-- SET) goes.
 local function others(hk)
 	local all = redis.pcall('HGETALL', hk)
 	if all.err then
 		redis.call('DEL', hk)
-		return 0, 0, 0
+		return 0, 0, 0, false
 	end
-	local total, held, n = 0, 0, 0
+	local total, held, n, own = 0, 0, 0, false
 	for j = 1, #all, 2 do
-		if all[j] ~= inst then
-			local count, reserved = string.match(all[j + 1], '^(%-?%d+)/?(%d*)$')
+		if all[j] == inst then
+			own = true
+		else
+			local count, lease, lapses = string.match(all[j + 1], '^(%-?%d+)/?(%d*)/?(%d*)$')
 			total = total + (tonumber(count) or 0)
-			held = held + (tonumber(reserved) or 0)
+			if (tonumber(lapses) or 0) > now then
+				held = held + (tonumber(lease) or 0)
+			end
 			n = n + 1
 		end
 	end
-	return total, held, n
+	return total, held, n, own
 end
 
 -- put writes the instance's field of hash hk and the fleet's count into
@@ -87,10 +119,10 @@ for i = 1, #KEYS do
 	local c = KEYS[i]
 	local base = string.sub(c, 1, -2)
 	local p, h, q = base .. 'p', base .. 'h', base .. 'q'
-	local e, w, mine, prev, refused, bans, max, waiting, weighs = string.match(ARGV[i + 4],
-		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) ([01]) (%-?%d+)$')
+	local e, w, mine, prev, refused, bans, max, want, known, waiting, weighs = string.match(ARGV[i + 7],
+		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%d+) ([01]) ([01]) (%-?%d+)$')
 	e, w, mine, prev, refused = tonumber(e), tonumber(w), tonumber(mine), tonumber(prev), tonumber(refused)
-	max, weighs = tonumber(max), tonumber(weighs)
+	max, want, weighs = tonumber(max), tonumber(want), tonumber(weighs)
 	-- at is the window the count key counts, from the instance's: 0 the
 	-- same (or none yet), -1 the one before, 1 the one after. The key
 	-- expires a window after its window ends.
@@ -120,29 +152,29 @@ for i = 1, #KEYS do
 			at, ttl = 0, -2
 		end
 	end
-	local total, n, ptotal, res = -1, 0, 0, 0
+	local total, n, ptotal, lease, extra, held = -1, 0, 0, 0, 0, 0
 	if at == 0 then
-		-- The others' counts and reservations: none in a new window.
-		local counted, held = 0, 0
+		-- The others' counts and live leases: none in a new window.
+		local counted, own = 0, false
 		if ttl ~= -2 then
-			counted, held, n = others(h)
+			counted, held, n, own = others(h)
 		end
 		total, n = counted + mine, n + 1
-		if share then
-			-- This instance's share of what no other instance holds
-			-- (what it held itself is free again).
+		if share and (own or known == '0') then
+			-- What neither the counts nor the others' leases hold (this
+			-- instance's own lease is renewed or given back), nor the
+			-- first spare shares of instances not counted yet.
 			local left = max - math.max(weighs, 0)
-			local free, div = left - total - held, n
-			if waiting == '1' then
-				local first = math.ceil(math.max(left, 0) / fleet)
-				free = free - math.max(fleet - n, 0) * first
-				div = math.max(fleet, n)
+			local free = left - total - held
+			if waiting == '1' and fleet > n then
+				free = free - (fleet - n) * math.ceil(math.floor((math.max(left, 0) + 1) / 2) / fleet)
 			end
-			if free > 0 then
-				res = math.ceil(free / div)
+			lease = math.max(math.min(want, free), 0)
+			if want > 0 and not learning then
+				extra = spare(free - lease)
 			end
 		end
-		put(c, h, total, mine .. '/' .. res, e + w)
+		put(c, h, total, mine .. '/' .. (lease + extra) .. '/' .. ends, e + w)
 		if prev >= 0 and e > now then
 			ptotal = others(q) + prev
 			put(p, q, ptotal, prev, e)
@@ -167,6 +199,7 @@ for i = 1, #KEYS do
 	if bans == '1' then
 		ban = math.max(redis.call('PTTL', base .. 'b'), 0)
 	end
-	out[#out + 1], out[#out + 2], out[#out + 3], out[#out + 4], out[#out + 5] = total, n, ptotal, ban, res
+	local o = #out
+	out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6], out[o + 7] = total, n, ptotal, ban, lease, extra, held
 end
 return out

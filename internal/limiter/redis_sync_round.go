@@ -23,20 +23,27 @@ var syncSource string
 var syncScript = redis.NewScript(syncSource)
 
 // fleetScript records that an instance synced now and returns how many
-// did within the horizon and the instance's rank among them by id (KEYS[1]
-// the zone's sorted set of instances; ARGV: now in ms, the instance's id,
-// the horizon in ms).
+// did within the horizon, the instance's rank among them by id, and the
+// zone's epoch: a member scored +inf that the first roll call after Redis
+// lost the set (a restart, a failover to an empty replica) writes anew
+// (KEYS[1] the zone's sorted set of instances; ARGV: now in ms, the
+// instance's id, the horizon in ms, an epoch to write if there is none).
 var fleetScript = redis.NewScript(`
+local epoch = redis.call('ZRANGEBYSCORE', KEYS[1], '+inf', '+inf')[1]
+if not epoch then
+	epoch = '~' .. ARGV[4]
+	redis.call('ZADD', KEYS[1], '+inf', epoch)
+end
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[3]))
 redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[3]))
 local rank = 0
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(+inf')) do
 	if id < ARGV[2] then
 		rank = rank + 1
 	end
 end
-return {redis.call('ZCARD', KEYS[1]), rank}
+return {redis.call('ZCARD', KEYS[1]) - 1, rank, epoch}
 `)
 
 const (
@@ -44,7 +51,7 @@ const (
 	syncBatch = 200
 	// syncTrip is how many keys one round trip (a pipeline of batches)
 	// carries at most: a round with more makes several, each within the
-	// store's timeout.
+	// sync timeout.
 	syncTrip = 10 * syncBatch
 	// syncFleetRounds is how many intervals an instance counts in the
 	// fleet after its last round.
@@ -64,11 +71,13 @@ type syncItem struct {
 	// the window before (-1: not sent); refused the refusals to tally.
 	end, window, mine, prev, refused int64
 	bans                             bool
-	// max is the limit's; waiting is true for the instance's first two
-	// rounds of the window; weighs is what a sliding window's previous
-	// count weighs now, in whole units (-1 for a fixed window).
-	max, weighs int64
-	waiting     bool
+	// max is the limit's; want the units to lease; known is true when a
+	// round wrote this instance's count of the window before, waiting for
+	// the instance's first two rounds of the window; weighs is what a
+	// sliding window's previous count weighs now, in whole units (-1 for
+	// a fixed window).
+	max, want, weighs int64
+	known, waiting    bool
 }
 
 // runSync runs the sync loop until ctx ends: a round every interval while
@@ -146,12 +155,12 @@ func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
 // error; loaded is true once it has loaded the scripts again.
 func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Check, start time.Time, loaded bool) (unsent []syncItem, unbanned []Check, err error) {
 	y := s.sync
-	tctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+	tctx, cancel := context.WithTimeout(ctx, y.tripTimeout)
 	defer cancel()
 	ms := start.UnixMilli()
 	pipe := s.client.Pipeline()
 	horizon := int64(syncFleetRounds) * max(y.interval.Milliseconds(), 1)
-	fleet := fleetScript.EvalSha(tctx, pipe, []string{s.prefix + "fleet"}, ms, y.id, horizon)
+	fleet := fleetScript.EvalSha(tctx, pipe, []string{s.prefix + "fleet"}, ms, y.id, horizon, newInstanceID())
 	banCmds := make([]*redis.Cmd, len(bans))
 	for i, c := range bans {
 		base := s.base(c.Name, s.tag(c.Key))
@@ -179,9 +188,13 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Chec
 	y.stats.roundTrips.Add(1)
 	// Each command has its own outcome: what Redis did is taken, the
 	// rest goes to the next round.
-	if r, err := appendInts(nil, fleet); err == nil && len(r) == 2 {
-		y.fleet.Store(max(r[0], 1))
-		y.rank.Store(r[1])
+	if r, err := fleet.Slice(); err == nil && len(r) == 3 {
+		n, _ := r[0].(int64)
+		rank, _ := r[1].(int64)
+		epoch, _ := r[2].(string)
+		y.fleet.Store(max(n, 1))
+		y.rank.Store(rank)
+		y.sawEpoch(epoch, start)
 	}
 	for i, cmd := range banCmds {
 		if b, err := cmd.Int64(); err == nil {
@@ -191,8 +204,8 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Chec
 		}
 	}
 	for i, b := range batches {
-		res, cerr := appendInts(make([]int64, 0, 5*len(b)), cmds[i])
-		if cerr == nil && len(res) != 5*len(b) {
+		res, cerr := appendInts(make([]int64, 0, syncReplies*len(b)), cmds[i])
+		if cerr == nil && len(res) != syncReplies*len(b) {
 			cerr = fmt.Errorf("redis sync script: %d values for %d keys", len(res), len(b))
 		}
 		if cerr != nil {
@@ -205,7 +218,7 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Chec
 		y.stats.batches.Add(1)
 		y.stats.keys.Add(uint64(len(b)))
 		for j := range b {
-			y.apply(&b[j], res[5*j:5*j+5], start)
+			y.apply(&b[j], res[syncReplies*j:syncReplies*(j+1)], start)
 		}
 	}
 	if err != nil && errors.Is(err, redis.Nil) {
@@ -214,18 +227,23 @@ func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Chec
 	return unsent, unbanned, err
 }
 
+// syncReplies is how many values the sync script returns per key.
+const syncReplies = 7
+
 // syncCmd queues the script call of one batch on pipe: each key's count
 // key, and its numbers in one argument (see redis_sync.lua).
 func (s *RedisStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.Cmd {
+	y := s.sync
 	keys := make([]string, len(b))
-	args := make([]any, 4, 4+len(b))
-	args[0], args[1], args[2], args[3] = ms, s.sync.id, s.sync.fleet.Load(), flag(s.sync.spend == SyncShare)
+	args := make([]any, 7, 7+len(b))
+	args[0], args[1], args[2], args[3] = ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare)
+	args[4], args[5], args[6] = y.fleet.Load(), y.rank.Load(), flag(y.learning(ms*int64(time.Millisecond)))
 	var buf []byte
 	for i := range b {
 		it := &b[i]
 		keys[i] = it.key
 		buf = buf[:0]
-		for j, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, int64(flag(it.waiting)), it.weighs} {
+		for j, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
 			if j > 0 {
 				buf = append(buf, ' ')
 			}
@@ -271,9 +289,13 @@ func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
 }
 
 // collect takes the keys touched since the last round (every key of a
-// running window after Redis came back) and what each sends.
+// running window after Redis came back) and what each sends: its counts,
+// and with SyncShare the lease it asks for, twice what it spent and was
+// refused for want of a share since the last round (while learning, no
+// more than it holds).
 func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 	all := y.resend.Swap(false)
+	learning := y.learning(ms * int64(time.Millisecond))
 	var items []syncItem
 	for i := range y.shards {
 		sh := &y.shards[i]
@@ -285,6 +307,16 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 				}
 			}
 		}
+		// A lease is renewed while the instance spends, and given back
+		// (it asks for nothing) at the first round after it stopped.
+		for _, e := range sh.leased {
+			e.leased = false
+			if !e.gone && e.end > ms {
+				sh.touch(e)
+			}
+		}
+		clear(sh.leased)
+		sh.leased = sh.leased[:0]
 		for _, e := range sh.dirty {
 			e.dirty = false
 			if e.gone {
@@ -297,8 +329,15 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 				e: e, shard: i, key: s.keyOf(e.name, e.tag, "c"),
 				end: e.end, window: e.window, mine: e.mine, prev: -1,
 				refused: e.refused, bans: e.bans,
-				max: e.max, waiting: e.rounds < 2,
+				max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
 			}
+			if y.spend == SyncShare && e.end > ms {
+				it.want = 2 * (max(e.mine-e.budgetFrom, 0) + e.asked)
+				if learning {
+					it.want = min(it.want, e.lease)
+				}
+			}
+			e.asked = 0
 			it.weighs = -1 // a fixed window: the previous count is not read
 			if e.sliding {
 				it.weighs = int64(math.Ceil(e.weighs(ms)))
@@ -340,7 +379,7 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 	if e.gone {
 		return
 	}
-	total, prevTotal, ban, reserved := r[0], r[2], r[3], r[4] // r[1]: the instances counting the key
+	total, prevTotal, ban, lease, spare, held := r[0], r[2], r[3], r[4], r[5], r[6] // r[1]: the instances counting the key
 	if ban > 0 {
 		e.banUntil = max(e.banUntil, start.Add(time.Duration(ban)*time.Millisecond).UnixNano())
 	}
@@ -360,9 +399,19 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 			e.prevSent = it.prev
 		}
 		e.prevFleet = prevTotal
-		// What the round reserved this instance, from what it had
-		// admitted when the round started.
-		e.budget, e.budgetFrom = reserved, it.mine
+		// What the round leased this instance, and its spare share,
+		// from what it had admitted when the round started. Without
+		// either, the instance holds nothing in Redis: it spends as if
+		// its lease had lapsed.
+		e.lease, e.spare, e.held, e.budgetFrom = lease, spare, held, it.mine
+		e.leaseUntil = start.UnixNano()
+		if lease+spare > 0 {
+			e.leaseUntil = start.Add(y.leaseFor()).UnixNano()
+			if !e.leased {
+				e.leased = true
+				sh.leased = append(sh.leased, e)
+			}
+		}
 	case it.end + it.window:
 		// The key's window rolled while the round was away: what it read
 		// is now the previous window's.
@@ -397,6 +446,32 @@ func (y *syncTable) banned(c *Check, start time.Time, ms int64) {
 		e.banUntil = start.Add(time.Duration(ms) * time.Millisecond).UnixNano()
 	}
 	sh.mu.Unlock()
+}
+
+// leaseFor is how long a lease lasts: two intervals and a round trip, so
+// that the round after next renews it before it lapses, and it lapses
+// within that time once the instance stops asking.
+func (y *syncTable) leaseFor() time.Duration {
+	return 2*y.interval + y.tripTimeout
+}
+
+// learning reports whether at t (Unix ns) the instance is still learning
+// what the fleet holds after Redis lost its state.
+func (y *syncTable) learning(t int64) bool { return t < y.learnUntil.Load() }
+
+// sawEpoch takes the zone's epoch from a roll call at start: when it
+// changed, Redis lost what it held of the zone, so the next round sends
+// every running window's count again, and for a lease's length no round
+// leases more than it did before or grants a spare share, while the other
+// instances report again what they hold.
+func (y *syncTable) sawEpoch(epoch string, start time.Time) {
+	y.epochMu.Lock()
+	defer y.epochMu.Unlock()
+	if y.epoch != "" && epoch != y.epoch {
+		y.resend.Store(true)
+		y.learnUntil.Store(start.Add(y.leaseFor()).UnixNano())
+	}
+	y.epoch = epoch
 }
 
 // newInstanceID returns an id for this instance's counts in Redis, unique
