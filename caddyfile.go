@@ -73,6 +73,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			hash_keys  <secret>           # optional: HMAC-SHA256 keys in Redis, no raw IPs stored
 //			pipeline   on|off             # default off; on: concurrent decisions share round trips
 //			sync       <interval> [share|all] # decide in memory, sync counts every interval (docs/redis.md)
+//			sync_timeout <duration>       # per sync round trip; default the interval, at least 1s
 //		}
 //	}
 //
@@ -348,6 +349,8 @@ func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {
 			sc.KeyPrefix = val
 		case "timeout":
 			sc.Timeout, err = parseDuration(d, opt, val)
+		case "sync_timeout":
+			sc.SyncTimeout, err = parseDuration(d, opt, val)
 		case "on_error":
 			sc.OnError = val
 		case "hash_keys":

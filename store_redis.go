@@ -128,11 +128,20 @@ type StoreConfig struct {
 	Sync caddy.Duration `json:"sync,omitempty"`
 
 	// SyncSpend is what an instance spends between two syncs: "share"
-	// (its share of what the fleet has left, reserved in Redis, so that
-	// the fleet stays within max) or "all" (everything the fleet had left
-	// at the last sync: each instance may admit up to max before it hears
-	// of the others). Only with sync. Default: "share".
+	// (what the last sync leased it, sized by its recent demand and
+	// lapsing unless renewed, and a spare share of what no lease holds,
+	// so that the fleet stays within max however the requests move) or
+	// "all" (everything the fleet had left at the last sync: each
+	// instance may admit up to max before it hears of the others). Only
+	// with sync. Default: "share".
 	SyncSpend string `json:"sync_spend,omitempty"`
+
+	// SyncTimeout bounds each round trip of a sync, apart from timeout (a
+	// decision's): a sync of thousands of keys on a busy host takes longer
+	// than one decision, and a sync that times out counts against the
+	// zone's health. From 1ms to 10s; only with sync. Default: the sync
+	// interval, and at least 1s.
+	SyncTimeout caddy.Duration `json:"sync_timeout,omitempty"`
 
 	// Set by provision: the options with placeholders replaced.
 	opts     *redis.UniversalOptions
@@ -223,6 +232,9 @@ func (sc *StoreConfig) checkSync() []error {
 		if sc.SyncSpend != "" {
 			errs = append(errs, fmt.Errorf("sync_spend %q needs sync", sc.SyncSpend))
 		}
+		if sc.SyncTimeout != 0 {
+			errs = append(errs, fmt.Errorf("sync_timeout %s needs sync", time.Duration(sc.SyncTimeout)))
+		}
 		return errs
 	case interval < limiter.MinSyncInterval || interval > limiter.MaxSyncInterval:
 		errs = append(errs, fmt.Errorf("invalid sync %s: must be from %s to %s", interval, limiter.MinSyncInterval, limiter.MaxSyncInterval))
@@ -231,6 +243,9 @@ func (sc *StoreConfig) checkSync() []error {
 	case "", limiter.SyncShare, limiter.SyncAll:
 	default:
 		errs = append(errs, fmt.Errorf("invalid sync_spend %q: must be %s or %s", sc.SyncSpend, limiter.SyncShare, limiter.SyncAll))
+	}
+	if d := time.Duration(sc.SyncTimeout); d < 0 || (d > 0 && d < MinRedisTimeout) || d > MaxRedisTimeout {
+		errs = append(errs, fmt.Errorf("invalid sync_timeout %s: must be from %s to %s", d, MinRedisTimeout, MaxRedisTimeout))
 	}
 	if sc.OnError != "" && sc.OnError != limiter.OnErrorLocal {
 		errs = append(errs, fmt.Errorf("invalid on_error %q with sync: in sync mode decisions never wait for Redis and go on in memory while it fails, so on_error must be local", sc.OnError))
@@ -245,7 +260,7 @@ func (sc *StoreConfig) checkSync() []error {
 func (sc *StoreConfig) hasRedisOptions() bool {
 	return len(sc.Addresses) > 0 || sc.URL != "" || sc.MasterName != "" || sc.Username != "" ||
 		sc.Password != "" || sc.DB != 0 || sc.TLS || sc.KeyPrefix != "" || sc.Timeout != 0 ||
-		sc.OnError != "" || sc.HashKeys != "" || sc.Pipeline != "" || sc.Sync != 0 || sc.SyncSpend != ""
+		sc.OnError != "" || sc.HashKeys != "" || sc.Pipeline != "" || sc.Sync != 0 || sc.SyncSpend != "" || sc.SyncTimeout != 0
 }
 
 // provision fills in defaults, replaces placeholders and builds the client
@@ -330,7 +345,7 @@ func (sc *StoreConfig) provision() error {
 	tlsOn := opts.TLSConfig != nil
 	sc.connKey = fmt.Sprintf("addrs=%s master=%s user=%s pass=%s db=%d tls=%t",
 		strings.Join(opts.Addrs, ","), opts.MasterName, opts.Username, digest(opts.Password), opts.DB, tlsOn)
-	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s sync=%s/%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)), time.Duration(sc.Sync), sc.SyncSpend)
+	sc.identity = fmt.Sprintf("redis %s prefix=%q hash_keys=%s sync=%s/%s/%s", sc.connKey, sc.KeyPrefix, digest(string(sc.hashKey)), time.Duration(sc.Sync), sc.SyncSpend, time.Duration(sc.SyncTimeout))
 	return nil
 }
 
@@ -381,9 +396,9 @@ func (sc *StoreConfig) describe() string {
 	if !sc.isRedis() {
 		return StoreMemory
 	}
-	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t pipeline=%s sync=%s sync_spend=%s)",
+	return fmt.Sprintf("redis(addresses=%s url=%t master_name=%s db=%d tls=%t key_prefix=%q timeout=%s on_error=%s hash_keys=%t pipeline=%s sync=%s sync_spend=%s sync_timeout=%s)",
 		strings.Join(sc.Addresses, ","), sc.URL != "", sc.MasterName, sc.DB, sc.TLS, sc.KeyPrefix,
-		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "", sc.Pipeline, time.Duration(sc.Sync), sc.SyncSpend)
+		time.Duration(sc.Timeout), sc.OnError, sc.HashKeys != "", sc.Pipeline, time.Duration(sc.Sync), sc.SyncSpend, time.Duration(sc.SyncTimeout))
 }
 
 // digest is a short fingerprint of a secret, so that a key naming a
@@ -432,15 +447,16 @@ func releaseRedisClient(connKey string) error {
 func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Logger) (limiter.Store, func() error) {
 	client, warm := loadRedisClient(sc)
 	rs := limiter.NewRedisStore(limiter.RedisStoreOptions{
-		Client:     client,
-		Warmup:     warm,
-		Prefix:     sc.KeyPrefix + zone + ":",
-		HashKey:    sc.hashKey,
-		MaxTracked: maxTracked,
-		Logger:     logger.With(zap.String("zone", zone)),
-		Pipeline:   sc.Pipeline == PipelineOn,
-		Sync:       time.Duration(sc.Sync),
-		SyncSpend:  sc.SyncSpend,
+		Client:      client,
+		Warmup:      warm,
+		Prefix:      sc.KeyPrefix + zone + ":",
+		HashKey:     sc.hashKey,
+		MaxTracked:  maxTracked,
+		Logger:      logger.With(zap.String("zone", zone)),
+		Pipeline:    sc.Pipeline == PipelineOn,
+		Sync:        time.Duration(sc.Sync),
+		SyncSpend:   sc.SyncSpend,
+		SyncTimeout: time.Duration(sc.SyncTimeout),
 	})
 	connKey := sc.connKey
 	return rs, func() error { return releaseRedisClient(connKey) }

@@ -56,7 +56,7 @@ type syncTable struct {
 	resend atomic.Bool  // the next round sends every key of a running window
 	// epoch names the state Redis holds for the zone (a new one after
 	// Redis lost it); until learnUntil (Unix ns) after a change, rounds
-	// lease no more than they leased before and grant no spare share,
+	// lease no more than the instance's pace and grant no spare share,
 	// while every instance reports again what it holds.
 	epochMu     sync.Mutex
 	epoch       string

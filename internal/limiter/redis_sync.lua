@@ -38,14 +38,16 @@
 -- letter instead of c, under the same hash tag, so in the same Cluster
 -- slot: p the previous count, h and q the instances' counts of the window
 -- and of the one before (hashes), r the refused tally, b the ban. ARGV[i+4]
--- holds its 11 numbers, separated by spaces: the end of the instance's
+-- holds its 12 numbers, separated by spaces: the end of the instance's
 -- window (Unix ms), the window (ms), the instance's count of it, its count
 -- of the previous window (-1: not sent), refusals to add to the tally, 1 to
--- read the ban, max, the units the instance asks to lease, 1 when the
--- instance wrote its count of the window before (if Redis has it no more,
--- Redis lost its state, and the round leases nothing), 1 for the
--- instance's first two rounds of the window, and the units the previous
--- window weighs (-1: a fixed window, whose previous count is not read).
+-- read the ban, max, the units the instance asks to lease, the most it
+-- asks while learning (twice what it spent since its last round: its pace,
+-- not more), 1 when the instance wrote its count of the window before (if
+-- Redis has it no more, Redis lost its state: the round leases as while
+-- learning), 1 for the instance's first two rounds of the window, and the
+-- units the previous window weighs (-1: a fixed window, whose previous
+-- count is not read).
 -- Returns 7 values per key: the fleet's count of the window (-1: dropped,
 -- the window has ended in Redis), how many instances counted in it, the
 -- fleet's count of the previous window, the milliseconds left of the key's
@@ -119,10 +121,10 @@ for i = 1, #KEYS do
 	local c = KEYS[i]
 	local base = string.sub(c, 1, -2)
 	local p, h, q = base .. 'p', base .. 'h', base .. 'q'
-	local e, w, mine, prev, refused, bans, max, want, known, waiting, weighs = string.match(ARGV[i + 7],
-		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%d+) ([01]) ([01]) (%-?%d+)$')
+	local e, w, mine, prev, refused, bans, max, want, pace, known, waiting, weighs = string.match(ARGV[i + 7],
+		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%d+) (%d+) ([01]) ([01]) (%-?%d+)$')
 	e, w, mine, prev, refused = tonumber(e), tonumber(w), tonumber(mine), tonumber(prev), tonumber(refused)
-	max, want, weighs = tonumber(max), tonumber(want), tonumber(weighs)
+	max, want, pace, weighs = tonumber(max), tonumber(want), tonumber(pace), tonumber(weighs)
 	-- at is the window the count key counts, from the instance's: 0 the
 	-- same (or none yet), -1 the one before, 1 the one after. The key
 	-- expires a window after its window ends.
@@ -160,7 +162,8 @@ for i = 1, #KEYS do
 			counted, held, n, own = others(h)
 		end
 		total, n = counted + mine, n + 1
-		if share and (own or known == '0') then
+		if share then
+			local learns = learning or (known == '1' and not own)
 			-- What neither the counts nor the others' leases hold (this
 			-- instance's own lease is renewed or given back), nor the
 			-- first spare shares of instances not counted yet.
@@ -169,8 +172,11 @@ for i = 1, #KEYS do
 			if waiting == '1' and fleet > n then
 				free = free - (fleet - n) * math.ceil(math.floor((math.max(left, 0) + 1) / 2) / fleet)
 			end
+			if learns then
+				want = math.min(want, pace)
+			end
 			lease = math.max(math.min(want, free), 0)
-			if want > 0 and not learning then
+			if want > 0 and not learns then
 				extra = spare(free - lease)
 			end
 		end

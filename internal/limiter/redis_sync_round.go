@@ -71,13 +71,15 @@ type syncItem struct {
 	// the window before (-1: not sent); refused the refusals to tally.
 	end, window, mine, prev, refused int64
 	bans                             bool
-	// max is the limit's; want the units to lease; known is true when a
+	// max is the limit's; want the units to lease, pace the most while
+	// learning (twice what was spent since the last round, at least 2
+	// after a refusal); known is true when a
 	// round wrote this instance's count of the window before, waiting for
 	// the instance's first two rounds of the window; weighs is what a
 	// sliding window's previous count weighs now, in whole units (-1 for
 	// a fixed window).
-	max, want, weighs int64
-	known, waiting    bool
+	max, want, pace, weighs int64
+	known, waiting          bool
 }
 
 // runSync runs the sync loop until ctx ends: a round every interval while
@@ -243,7 +245,7 @@ func (s *RedisStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []sync
 		it := &b[i]
 		keys[i] = it.key
 		buf = buf[:0]
-		for j, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
+		for j, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, it.pace, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
 			if j > 0 {
 				buf = append(buf, ' ')
 			}
@@ -291,11 +293,10 @@ func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
 // collect takes the keys touched since the last round (every key of a
 // running window after Redis came back) and what each sends: its counts,
 // and with SyncShare the lease it asks for, twice what it spent and was
-// refused for want of a share since the last round (while learning, no
-// more than it holds).
+// refused for want of a share since the last round (while learning, twice
+// what it spent: its pace).
 func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 	all := y.resend.Swap(false)
-	learning := y.learning(ms * int64(time.Millisecond))
 	var items []syncItem
 	for i := range y.shards {
 		sh := &y.shards[i]
@@ -332,10 +333,9 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 				max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
 			}
 			if y.spend == SyncShare && e.end > ms {
-				it.want = 2 * (max(e.mine-e.budgetFrom, 0) + e.asked)
-				if learning {
-					it.want = min(it.want, e.lease)
-				}
+				spent := max(e.mine-e.budgetFrom, 0)
+				it.want = 2 * (spent + e.asked)
+				it.pace = 2 * max(spent, min(e.asked, 1))
 			}
 			e.asked = 0
 			it.weighs = -1 // a fixed window: the previous count is not read
@@ -462,8 +462,9 @@ func (y *syncTable) learning(t int64) bool { return t < y.learnUntil.Load() }
 // sawEpoch takes the zone's epoch from a roll call at start: when it
 // changed, Redis lost what it held of the zone, so the next round sends
 // every running window's count again, and for a lease's length no round
-// leases more than it did before or grants a spare share, while the other
-// instances report again what they hold.
+// leases more than the instance's pace (twice what it spent since its
+// last round) or grants a spare share, while the other instances report
+// again what they hold.
 func (y *syncTable) sawEpoch(epoch string, start time.Time) {
 	y.epochMu.Lock()
 	defer y.epochMu.Unlock()
