@@ -76,8 +76,9 @@ var scenarios = []scenario{
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
 	// Sync mode: decisions in memory, the keys touched synced every 100ms.
+	// The store's options are the defaults but sync itself.
 	{name: "admitted, 100000 clients, Redis, sync 100ms", clients: 100_000, redis: true,
-		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tsync 100ms\n\t\t}\n\t}"},
+		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\tsync 100ms\n\t\t}\n\t}"},
 	// The floor of any limiter that asks Redis once per request: the same
 	// round trip (EVALSHA, one key, the same client settings) running
 	// return 1, and no limiter.
@@ -207,8 +208,14 @@ func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Dura
 	if sc.xff {
 		servers = "servers {\n\t\ttrusted_proxies static 127.0.0.1/32\n\t\tclient_ip_headers X-Forwarded-For\n\t}"
 	}
+	// A Redis run's admin endpoint serves the sync metrics (keys synced).
+	admin, adminPort := "admin off", 0
+	if sc.redis {
+		adminPort = freePort()
+		admin = fmt.Sprintf("admin 127.0.0.1:%d", adminPort)
+	}
 	cfg := fmt.Sprintf(`{
-	admin off
+	%s
 	auto_https off
 	persist_config off
 	grace_period 1s
@@ -220,7 +227,7 @@ http://127.0.0.1:%d {
 	%s
 	respond "ok"
 }
-`, servers, port, mark, block)
+`, admin, servers, port, mark, block)
 	path := filepath.Join(dir, "Caddyfile")
 	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
 		log.Fatal(err)
@@ -259,8 +266,10 @@ http://127.0.0.1:%d {
 		warmed += parseRequests(wrk(append(args, fmt.Sprintf("-d%s", rest), base), from(warmed)))
 		warmedFor += rest
 	}
+	var redisCPU0, keys0 float64
 	if redisAddr != "" {
 		resetRedisStats(redisAddr)
+		redisCPU0, keys0 = redisCPU(redisAddr), syncedKeys(adminPort)
 	}
 	cpu0 := cpuTicks(cmd.Process.Pid)
 	out := wrk(append(args, fmt.Sprintf("-d%s", d), base), from(warmed))
@@ -268,6 +277,10 @@ http://127.0.0.1:%d {
 	r := parseWrk(out)
 	if redisAddr != "" {
 		r.redis = redisScriptStats(redisAddr, d)
+		if keys := syncedKeys(adminPort) - keys0; keys > 0 {
+			cpu := redisCPU(redisAddr) - redisCPU0
+			r.redis += fmt.Sprintf("; sync: %.0f keys synced, Redis CPU %.2fs, %.1f µs per key", keys, cpu, cpu*1e6/keys)
+		}
 	}
 	reqs := parseRequests(out)
 	if sc.clients > 0 && warmed+reqs < sc.clients {
@@ -477,6 +490,50 @@ func flushRedis(addr string) {
 	if err := c.FlushAll(ctx).Err(); err != nil {
 		log.Fatalf("FLUSHALL on %s: %v", addr, err)
 	}
+}
+
+// redisCPU returns the CPU time redis-server has used, in seconds (INFO cpu).
+func redisCPU(addr string) float64 {
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	info, err := c.Info(ctx, "cpu").Result()
+	if err != nil {
+		log.Fatalf("redis INFO cpu: %v", err)
+	}
+	var sum float64
+	for line := range strings.SplitSeq(info, "\n") {
+		k, v, _ := strings.Cut(strings.TrimSpace(line), ":")
+		if k == "used_cpu_sys" || k == "used_cpu_user" {
+			f, _ := strconv.ParseFloat(v, 64)
+			sum += f
+		}
+	}
+	return sum
+}
+
+// syncedKeys returns caddy_rate_limit_sync_keys_total, summed over zones,
+// from the metrics of the Caddy whose admin endpoint is on port (0 when it
+// has none: the bare build, or exact mode).
+func syncedKeys(port int) float64 {
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", port))
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		if line := sc.Text(); strings.HasPrefix(line, "caddy_rate_limit_sync_keys_total") {
+			if i := strings.LastIndexByte(line, ' '); i > 0 {
+				f, _ := strconv.ParseFloat(line[i+1:], 64)
+				sum += f
+			}
+		}
+	}
+	return sum
 }
 
 // resetRedisStats zeroes Redis's command statistics (CONFIG RESETSTAT).

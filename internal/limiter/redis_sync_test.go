@@ -220,10 +220,11 @@ func TestRedisSyncBanSpreads(t *testing.T) {
 		}
 	}
 	round(a, b)
-	// So may a's, and its next round leases it what it asked for, of
-	// the one left.
+	// So may a's, and b may hold the one left in the lease it asked for
+	// (twice its demand): b gives it back at its next round, having no
+	// more requests of the key, and a's next round leases it.
 	got := admit(t, a, "x", limit, 1)
-	round(a)
+	round(b, a)
 	if got += admit(t, a, "x", limit, 3); got != 1 {
 		t.Fatalf("a admitted %d of 4 (the one left)", got)
 	}
