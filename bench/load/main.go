@@ -6,7 +6,7 @@
 // (each B against the A just before it, which the machine's drift between
 // rounds moves less).
 //
-//	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;…']
+//	go run ./bench/load [-rounds 3] [-duration 8s] [-connections 32] [-only 'name prefix;whole name$;…']
 //
 // The floor scenarios give B a handler that does nothing (rate_limit with
 // enabled false) or, on a third build, nothing but the quota headers
@@ -186,13 +186,15 @@ func main() {
 	}
 }
 
-// selected reports whether the scenario is among those -only names.
+// selected reports whether the scenario is among those -only names: a
+// prefix of its name, or its whole name followed by $.
 func selected(name, only string) bool {
 	if only == "" {
 		return true
 	}
 	for p := range strings.SplitSeq(only, ";") {
-		if strings.HasPrefix(name, strings.TrimSpace(p)) {
+		p = strings.TrimSpace(p)
+		if whole, ok := strings.CutSuffix(p, "$"); ok && name == whole || !ok && strings.HasPrefix(name, p) {
 			return true
 		}
 	}

@@ -311,11 +311,12 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 		// A lease is renewed while the instance spends, and given back
 		// (it asks for nothing) at the first round after it stopped,
 		// when the fleet may need it: once half of max is counted or
-		// held. Below that, every instance's spare share covers its own
-		// demand, and the lease lapses by itself.
+		// leased (its own spare share, half of what is free at most,
+		// aside). Below that, every instance's spare share covers its
+		// own demand, and the lease lapses by itself.
 		for _, e := range sh.leased {
 			e.leased = false
-			if !e.gone && e.end > ms && 2*(e.fleet+e.held+e.lease+e.spare) >= e.max {
+			if !e.gone && e.end > ms && 2*(e.fleet+e.held+e.lease) >= e.max {
 				sh.touch(e)
 			}
 		}
