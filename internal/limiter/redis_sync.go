@@ -422,9 +422,6 @@ func (y *syncTable) budget(e *syncEntry, t int64) int64 {
 			left -= int64(math.Ceil(e.weighs(t / int64(time.Millisecond))))
 		}
 		e.lease, e.spare, e.leaseUntil = min(e.lease+e.spare, spent), y.spareOf(left), 0
-		if y.learning(t) {
-			e.spare = 0 // what others hold is not known again yet
-		}
 	}
 	return e.lease + e.spare
 }

@@ -80,6 +80,9 @@ type syncItem struct {
 	// a fixed window).
 	max, want, pace, weighs int64
 	known, waiting          bool
+	// knownFleet is the fleet's count of the window as the instance knew
+	// it when the round started, held the others' leases.
+	knownFleet, held int64
 }
 
 // runSync runs the sync loop until ctx ends: a round every interval while
@@ -335,6 +338,7 @@ func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
 				end: e.end, window: e.window, mine: e.mine, prev: -1,
 				refused: e.refused, bans: e.bans,
 				max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
+				knownFleet: e.fleet + e.mine - e.sent, held: e.held,
 			}
 			if y.spend == SyncShare && e.end > ms {
 				spent := max(e.mine-e.budgetFrom, 0)
@@ -408,6 +412,16 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		// either, the instance holds nothing in Redis: it spends as if
 		// its lease had lapsed.
 		e.lease, e.spare, e.held, e.budgetFrom = lease, spare, held, it.mine
+		if y.learning(start.UnixNano()) || total < it.knownFleet {
+			// Redis may not hold the others' counts and leases again
+			// yet, and granted no spare share: the highest count and
+			// leases known stand, and the instance takes its spare
+			// share of what they leave, as a joiner does.
+			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
+			if it.want > 0 {
+				e.spare = y.spareOf(e.max - max(it.weighs, 0) - e.fleet - e.held - lease)
+			}
+		}
 		e.leaseUntil = start.UnixNano()
 		if lease+spare > 0 {
 			e.leaseUntil = start.Add(y.leaseFor()).UnixNano()
