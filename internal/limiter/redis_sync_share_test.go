@@ -100,32 +100,29 @@ func TestRedisSyncShareFollowsClients(t *testing.T) {
 	limit := Limit{Window: 24 * time.Hour, Max: 100}
 	for _, spend := range []string{SyncShare, SyncAll} {
 		t.Run(spend, func(t *testing.T) {
-			t.Run("moving client", func(t *testing.T) {
-				f := newSimFleet(t, srv, 2, RedisStoreOptions{SyncSpend: spend})
-				refused := 0
-				for i := range 36 {
-					if !f.hit(min(i/8, 1), "mover", limit) { // 8 requests to the first, then the second
-						refused++
+			for _, l := range []struct {
+				name      string
+				instances int
+				at        func(i int) int // the instance of request i
+				n         int
+			}{
+				{"moving client", 2, func(i int) int { return min(i/8, 1) }, 36}, // 8 to the first, then the second
+				{"round robin", 3, func(i int) int { return i % 3 }, 90},
+			} {
+				t.Run(l.name, func(t *testing.T) {
+					f := newSimFleet(t, srv, l.instances, RedisStoreOptions{SyncSpend: spend})
+					refused := 0
+					for i := range l.n {
+						if !f.hit(l.at(i), "client", limit) {
+							refused++
+						}
+						f.step(250 * time.Millisecond)
 					}
-					f.step(250 * time.Millisecond)
-				}
-				if refused != 0 {
-					t.Errorf("%d of 36 requests refused, max %d: want every one admitted", refused, limit.Max)
-				}
-			})
-			t.Run("round robin", func(t *testing.T) {
-				f := newSimFleet(t, srv, 3, RedisStoreOptions{SyncSpend: spend})
-				refused := 0
-				for i := range 90 {
-					if !f.hit(i%3, "rr", limit) {
-						refused++
+					if refused != 0 {
+						t.Errorf("%d of %d requests refused, max %d: want every one admitted", refused, l.n, limit.Max)
 					}
-					f.step(250 * time.Millisecond)
-				}
-				if refused != 0 {
-					t.Errorf("%d of 90 requests refused, max %d: want every one admitted", refused, limit.Max)
-				}
-			})
+				})
+			}
 			t.Run("drained instance", func(t *testing.T) {
 				f := newSimFleet(t, srv, 2, RedisStoreOptions{SyncSpend: spend})
 				// A burst on the first instance, which then asks for a
