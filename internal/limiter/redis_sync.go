@@ -416,14 +416,21 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 // as an instance that joins does.
 func (y *syncTable) budget(e *syncEntry, t int64) int64 {
 	if e.leaseUntil != 0 && t >= e.leaseUntil {
-		spent := max(e.mine-e.budgetFrom, 0)
-		left := e.max - (e.fleet + e.mine - e.sent) - e.held
+		var weighs int64
 		if e.sliding {
-			left -= int64(math.Ceil(e.weighs(t / int64(time.Millisecond))))
+			weighs = int64(math.Ceil(e.weighs(t / int64(time.Millisecond))))
 		}
-		e.lease, e.spare, e.leaseUntil = min(e.lease+e.spare, spent), y.spareOf(left), 0
+		spent := max(e.mine-e.budgetFrom, 0)
+		e.lease, e.spare, e.leaseUntil = min(e.lease+e.spare, spent), y.spareOf(e.free(weighs)), 0
 	}
 	return e.lease + e.spare
+}
+
+// free returns what of e's max this instance knows to be neither counted
+// (the fleet's count as last read and its own since) nor leased to the
+// others, less weighs (a sliding window's previous count).
+func (e *syncEntry) free(weighs int64) int64 {
+	return e.max - weighs - (e.fleet + e.mine - e.sent) - e.held
 }
 
 // startBan bans e's key here at once for the limit's first ban, and queues

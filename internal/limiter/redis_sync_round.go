@@ -71,17 +71,16 @@ type syncItem struct {
 	// the window before (-1: not sent); refused the refusals to tally.
 	end, window, mine, prev, refused int64
 	bans                             bool
-	// max is the limit's; want the units to lease, pace the most while
+	// max is the limit's; want the units to lease; pace the most while
 	// learning (twice what was spent since the last round, at least 2
-	// after a refusal); known is true when a
-	// round wrote this instance's count of the window before, waiting for
-	// the instance's first two rounds of the window; weighs is what a
-	// sliding window's previous count weighs now, in whole units (-1 for
-	// a fixed window).
+	// after a refusal); weighs what a sliding window's previous count
+	// weighs now, in whole units (-1 for a fixed window).
 	max, want, pace, weighs int64
-	known, waiting          bool
-	// knownFleet is the fleet's count of the window as the instance knew
-	// it when the round started, held the others' leases.
+	// known is true when a round wrote this instance's count of the
+	// window before; waiting for the instance's first two rounds of it.
+	known, waiting bool
+	// knownFleet and held are the fleet's count of the window and the
+	// others' leases as the instance knew them when the round started.
 	knownFleet, held int64
 }
 
@@ -419,7 +418,7 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 			// share of what they leave, as a joiner does.
 			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
 			if it.want > 0 {
-				e.spare = y.spareOf(e.max - max(it.weighs, 0) - e.fleet - e.held - lease)
+				e.spare = y.spareOf(e.free(max(it.weighs, 0)) - lease)
 			}
 		}
 		e.leaseUntil = start.UnixNano()
