@@ -494,13 +494,18 @@ func flushRedis(addr string) {
 	}
 }
 
-// redisCPU returns the CPU time redis-server has used, in seconds (INFO cpu).
-func redisCPU(addr string) float64 {
+// redisInfo returns a section of redis-server's INFO.
+func redisInfo(addr, section string) (string, error) {
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	info, err := c.Info(ctx, "cpu").Result()
+	return c.Info(ctx, section).Result()
+}
+
+// redisCPU returns the CPU time redis-server has used, in seconds (INFO cpu).
+func redisCPU(addr string) float64 {
+	info, err := redisInfo(addr, "cpu")
 	if err != nil {
 		log.Fatalf("redis INFO cpu: %v", err)
 	}
@@ -553,11 +558,7 @@ func resetRedisStats(addr string) {
 // resetRedisStats (INFO commandstats), with the calls per second over a run
 // of d and the share of a core they took.
 func redisScriptStats(addr string, d time.Duration) string {
-	c := redis.NewClient(&redis.Options{Addr: addr})
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	info, err := c.Info(ctx, "commandstats").Result()
+	info, err := redisInfo(addr, "commandstats")
 	if err != nil {
 		return err.Error()
 	}
