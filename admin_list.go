@@ -87,7 +87,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 		return KeyList{}, err
 	}
 	page := best.page(q.offset, q.pageSize)
-	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), SpoofableKey: z.spoofableKey(), Keys: make([]KeyInfo, 0, len(page))}
+	out := KeyList{Zone: z.name, Total: total, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.store.HashedKeys(), SpoofableKey: z.spoofableKey(), Keys: make([]KeyInfo, 0, len(page))}
 	for _, ks := range page {
 		l, _ := limitStored(limits, ks.Name)
 		out.Keys = append(out.Keys, keyInfo(z.name, l, ks, now))
@@ -102,8 +102,7 @@ func (z *zone) list(ctx context.Context, q listQuery, now time.Time) (KeyList, e
 // cost one pass and bounded memory.
 func (z *zone) matches(ctx context.Context, q listQuery, now time.Time, limits []zonePolicy) (*topKeys, int, error) {
 	best := &topKeys{k: q.offset + q.pageSize}
-	if s, ok := z.store.(limiter.RangeSizer); ok {
-		n := s.RangeLen()
+	if n, ok := z.store.RangeLen(); ok {
 		if q.offset >= n {
 			// The page starts past every key the store could list, so
 			// it is empty however they rank: count the matches for the

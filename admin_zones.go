@@ -52,18 +52,16 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 		RejectedTotal:        z.results[resultLimited].Load(),
 		WebSocketConnections: z.wsLive.Load(),
 		Health:               z.health(),
-		HashedKeys:           z.hashedKeys(),
+		HashedKeys:           z.store.HashedKeys(),
 		SpoofableKey:         z.spoofableKey(),
 	}
-	if sy, ok := z.store.(limiter.Syncer); ok {
-		if st, ok := sy.SyncStats(time.Now()); ok {
-			zi.Sync = &SyncInfo{
-				Interval:      st.Interval.String(),
-				Spend:         st.Spend,
-				LagSeconds:    st.Lag.Seconds(),
-				Instances:     st.Fleet,
-				DroppedDeltas: st.Dropped,
-			}
+	if st, ok := z.syncStats(time.Now()); ok {
+		zi.Sync = &SyncInfo{
+			Interval:      st.Interval.String(),
+			Spend:         st.Spend,
+			LagSeconds:    st.Lag.Seconds(),
+			Instances:     st.Fleet,
+			DroppedDeltas: st.Dropped,
 		}
 	}
 	z.trackedKeys(ctx, &zi)
@@ -83,14 +81,14 @@ const trackedKeysWait = time.Second
 // by requests or metrics, and shared by concurrent readers). While the store
 // is degraded it is not asked: its fallback is what decides then.
 func (z *zone) trackedKeys(ctx context.Context, zi *ZoneInfo) {
-	counter, ok := z.store.(limiter.KeyCounter)
-	if !ok || z.health() == limiter.HealthDegraded {
+	fleet, ok := z.fleet()
+	if !ok || fleet.Degraded() {
 		zi.TrackedKeys = z.store.Len()
 		return
 	}
 	ctx, cancel := context.WithTimeout(ctx, trackedKeysWait)
 	defer cancel()
-	c := counter.CountKeys(ctx)
+	c := fleet.CountKeys(ctx)
 	zi.TrackedKeys, zi.TrackedKeysPartial = c.N, c.Partial
 	zi.TrackedKeysAgeSeconds = int64(max(time.Since(c.At), 0) / time.Second)
 }

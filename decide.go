@@ -254,15 +254,14 @@ func refusedEarlier(checks []limiter.Check, out []limiter.Verdict, i int) bool {
 // startSharedCut cuts, in the background, the windows of a shared store
 // (Redis) that shorter windows end.
 func (rl *RateLimit) startSharedCut() {
-	cutter, ok := rl.zone.store.(limiter.SharedCutter)
-	if !ok {
+	if len(rl.cuts) == 0 {
 		return
 	}
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
 		for _, c := range rl.cuts {
-			if err := cutter.CutWindows(ctx, c.check, c.cutoff); err != nil {
+			if err := rl.zone.store.CutWindows(ctx, c.check, c.cutoff); err != nil {
 				rl.logger.Warn("cutting running windows to the shorter window", zap.String("zone", rl.Zone), zap.String("limit", rl.policies[0].name), zap.Error(err))
 			}
 		}

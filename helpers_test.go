@@ -9,6 +9,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // provisionHandler provisions a handler for zone with max requests per
@@ -74,8 +76,16 @@ func serveVars(t testing.TB, rl *RateLimit, vars map[string]any) int {
 func hitN(t testing.TB, rl *RateLimit, key string, n int) {
 	t.Helper()
 	for range n {
-		if _, err := rl.zone.store.Hit(context.Background(), key, time.Now(), rl.policies[0].check.Limit); err != nil {
+		if _, err := storeHit(rl.zone.store, key, time.Now(), rl.policies[0].check.Limit); err != nil {
 			t.Fatal(err)
 		}
 	}
+}
+
+// storeHit decides one request of key against lim alone in s (slot 0,
+// name "").
+func storeHit(s limiter.Store, key string, now time.Time, lim limiter.Limit) (limiter.Verdict, error) {
+	var out [1]limiter.Verdict
+	err := s.Decide(context.Background(), []limiter.Check{{Key: key, Limit: lim}}, now, out[:])
+	return out[0], err
 }

@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // Metric descriptors. Their only labels are the zone, the limit name and the
@@ -111,31 +109,25 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		})
 		ch <- prometheus.MustNewConstMetric(dryRunBansDesc, prometheus.CounterValue, float64(z.dryRunBans.Load()), z.name)
 		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
-		var evictions uint64
-		if e, ok := z.store.(limiter.Evicter); ok {
-			evictions = e.Evictions()
-		}
-		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(evictions), z.name)
+		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(z.store.Evictions()), z.name)
 		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)
-		if h, ok := z.store.(limiter.HealthReporter); ok {
+		if f, ok := z.fleet(); ok {
 			healthy := 0.0
-			if h.Healthy() {
+			if f.Healthy() {
 				healthy = 1
 			}
 			ch <- prometheus.MustNewConstMetric(storeHealthyDesc, prometheus.GaugeValue, healthy, z.name)
 		}
-		if sy, ok := z.store.(limiter.Syncer); ok {
-			if st, ok := sy.SyncStats(time.Now()); ok {
-				counter := func(d *prometheus.Desc, v uint64) {
-					ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), z.name)
-				}
-				counter(syncRoundTripsDesc, st.RoundTrips)
-				counter(syncBatchesDesc, st.Batches)
-				counter(syncKeysDesc, st.Keys)
-				counter(syncDroppedDesc, st.Dropped)
-				ch <- prometheus.MustNewConstMetric(syncLagDesc, prometheus.GaugeValue, st.Lag.Seconds(), z.name)
-				ch <- prometheus.MustNewConstMetric(syncFleetDesc, prometheus.GaugeValue, float64(st.Fleet), z.name)
+		if st, ok := z.syncStats(time.Now()); ok {
+			counter := func(d *prometheus.Desc, v uint64) {
+				ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), z.name)
 			}
+			counter(syncRoundTripsDesc, st.RoundTrips)
+			counter(syncBatchesDesc, st.Batches)
+			counter(syncKeysDesc, st.Keys)
+			counter(syncDroppedDesc, st.Dropped)
+			ch <- prometheus.MustNewConstMetric(syncLagDesc, prometheus.GaugeValue, st.Lag.Seconds(), z.name)
+			ch <- prometheus.MustNewConstMetric(syncFleetDesc, prometheus.GaugeValue, float64(st.Fleet), z.name)
 		}
 	}
 }

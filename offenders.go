@@ -234,9 +234,9 @@ const (
 func (z *zone) listRecent(ctx context.Context, q listQuery, limits []zonePolicy, now time.Time) (KeyList, error) {
 	recent := z.offenders.list(now)
 	// A zone that lists HMAC hashes lists its offenders by hash too.
-	if h, ok := z.store.(limiter.KeyHasher); ok && h.HashedKeys() {
+	if z.store.HashedKeys() {
 		for i := range recent {
-			recent[i].key = h.Tag(recent[i].key)
+			recent[i].key = z.store.Tag(recent[i].key)
 		}
 	}
 	recent = slices.DeleteFunc(recent, func(r recentOffender) bool {
@@ -278,7 +278,7 @@ func (z *zone) listRecent(ctx context.Context, q listQuery, limits []zonePolicy,
 			return KeyList{}, err
 		}
 	}
-	out := KeyList{Zone: z.name, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.hashedKeys(), Keys: []KeyInfo{}}
+	out := KeyList{Zone: z.name, Offset: q.offset, Limit: q.pageSize, HashedKeys: z.store.HashedKeys(), Keys: []KeyInfo{}}
 	for _, r := range rows {
 		var ki KeyInfo
 		if r.tracked {
@@ -312,9 +312,8 @@ func (z *zone) listRecent(ctx context.Context, q listQuery, limits []zonePolicy,
 // that refused it last is limit or limit is "", and reports whether it was
 // there. On a zone that lists HMAC hashes the hash names it too.
 func (z *zone) forgetOffender(key, limit string) bool {
-	h, hashed := z.store.(limiter.KeyHasher)
-	hashed = hashed && h.HashedKeys()
+	hashed := z.store.HashedKeys()
 	return z.offenders.forget(limit, func(k string) bool {
-		return k == key || hashed && h.Tag(k) == key
+		return k == key || hashed && z.store.Tag(k) == key
 	})
 }

@@ -121,7 +121,7 @@ func TestSlidingListing(t *testing.T) {
 	t0 := now.Add(-70 * time.Second)
 	lim := rl.policies[0].check.Limit
 	for _, at := range []time.Time{t0, t0, t0.Add(61 * time.Second)} {
-		if _, err := rl.zone.store.Hit(context.Background(), "192.0.2.8", at, lim); err != nil {
+		if _, err := storeHit(rl.zone.store, "192.0.2.8", at, lim); err != nil {
 			t.Fatal(err)
 		}
 	}

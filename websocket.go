@@ -125,7 +125,8 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 	localCap := rl.WSMaxConnectionsPerIP
 	var lease limiter.Lease
 	leased, ok := false, true
-	if fleet, isFleet := z.store.(fleetLeaser); isFleet && localCap > 0 {
+	fleet, isFleet := z.fleet()
+	if isFleet && localCap > 0 {
 		var err error
 		if fleet.Degraded() {
 			err = limiter.ErrRedisDegraded // decided without waiting on Redis, as Decide does
@@ -178,15 +179,15 @@ func (rl *RateLimit) serveWebSocket(w http.ResponseWriter, r *http.Request, next
 	}
 	defer release()
 	if leased {
-		defer rl.keepLease(lease)()
+		defer rl.keepLease(fleet, lease)()
 	}
 	z.countVerdict(allowed, v.StoreError, rl.DryRun) // not allowed: a dry run lets it through
 	return next.ServeHTTP(w, r)
 }
 
-// keepLease renews l every third of its time to live until the returned
-// function is called, which gives it back.
-func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
+// keepLease renews l, a lease of fleet, every third of its time to live
+// until the returned function is called, which gives it back.
+func (rl *RateLimit) keepLease(fleet limiter.Fleet, l limiter.Lease) (stop func()) {
 	ttl := time.Duration(rl.WSLeaseTTL)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -199,7 +200,7 @@ func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
 			case <-ctx.Done():
 				return
 			case <-tick.C:
-				lost, err := rl.zone.store.(limiter.Leaser).RenewLease(ctx, l, ttl)
+				lost, err := fleet.RenewLease(ctx, l, ttl)
 				switch {
 				case err != nil && ctx.Err() == nil:
 					rl.logger.Debug("renewing a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
@@ -212,14 +213,10 @@ func (rl *RateLimit) keepLease(l limiter.Lease) (stop func()) {
 	return func() {
 		cancel()
 		<-done
-		rl.dropLease(l)
-	}
-}
-
-// dropLease gives l back; if Redis does not answer, it lapses by itself.
-func (rl *RateLimit) dropLease(l limiter.Lease) {
-	if err := rl.zone.store.(limiter.Leaser).ReleaseLease(context.Background(), l); err != nil {
-		rl.logger.Debug("giving back a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
+		// Given back; if Redis does not answer, it lapses by itself.
+		if err := fleet.ReleaseLease(context.Background(), l); err != nil {
+			rl.logger.Debug("giving back a websocket lease", zap.String("zone", rl.Zone), zap.Error(err))
+		}
 	}
 }
 
@@ -320,14 +317,6 @@ func requestedSubprotocols(r *http.Request) []string {
 		}
 	}
 	return protos
-}
-
-// fleetLeaser is a store whose WebSocket leases a fleet shares (Redis):
-// while it is degraded, or when a lease fails, on_error decides.
-type fleetLeaser interface {
-	limiter.Leaser
-	limiter.HealthReporter
-	limiter.FailurePolicy
 }
 
 // Interface guards

@@ -25,9 +25,9 @@ type zone struct {
 	name string
 	seq  uint64 // order of creation: the newer of two zones of one name wins
 
-	// store keeps the counters. What only some stores do (health, leases,
-	// window cuts, key counts) the zone asks it for through limiter's
-	// optional interfaces.
+	// store keeps the counters. What only a store shared by a fleet does
+	// (health, leases, key counts, sync) the zone asks it for: fleet and
+	// syncer.
 	store limiter.Store
 	// storeKind names the store for the admin API: "memory" or "redis".
 	storeKind string
@@ -92,11 +92,27 @@ func (z *zone) count(result int) { z.results[result].Add(1) }
 // kind names the zone's store for the admin API: "memory" or "redis".
 func (z *zone) kind() string { return z.storeKind }
 
+// fleet returns the zone's store as a store shared by a fleet (Redis);
+// ok is false for a store of this process alone.
+func (z *zone) fleet() (f limiter.Fleet, ok bool) {
+	f, ok = z.store.(limiter.Fleet)
+	return f, ok
+}
+
+// syncStats returns the figures of the zone's store in sync mode; ok is
+// false in any other mode.
+func (z *zone) syncStats(now time.Time) (limiter.SyncStats, bool) {
+	if sy, ok := z.store.(limiter.Syncer); ok {
+		return sy.SyncStats(now)
+	}
+	return limiter.SyncStats{}, false
+}
+
 // health reports the store's health ("HEALTHY", "DEGRADED", "RECOVERING")
 // where the store has one (Redis), or "".
 func (z *zone) health() string {
-	if h, ok := z.store.(limiter.HealthReporter); ok {
-		return h.Health()
+	if f, ok := z.fleet(); ok {
+		return f.Health()
 	}
 	return ""
 }
@@ -168,13 +184,6 @@ func (s zoneSettings) limit(name string) (limiter.Limit, bool) {
 // zoneSeq numbers zones in the order they are created.
 var zoneSeq atomic.Uint64
 
-// hashedKeys reports whether the zone's store keeps HMAC hashes of the keys
-// rather than the keys (a Redis store with hash_keys).
-func (z *zone) hashedKeys() bool {
-	h, ok := z.store.(limiter.KeyHasher)
-	return ok && h.HashedKeys()
-}
-
 // newZone builds a zone named name around store (of kind storeKind, let go
 // of with closeStore), running with s until a handler holds it, and starts
 // the store's background work.
@@ -182,9 +191,7 @@ func newZone(name, storeKind string, store limiter.Store, closeStore func() erro
 	ctx, cancel := context.WithCancel(context.Background())
 	z := &zone{name: name, seq: zoneSeq.Add(1), store: store, storeKind: storeKind, closeStore: closeStore, cancel: cancel}
 	z.apply(s)
-	if r, ok := store.(limiter.Runner); ok {
-		go r.Run(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
-	}
+	go store.Run(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
 	return z
 }
 
@@ -212,12 +219,6 @@ func (z *zone) hold(s zoneSettings) zoneHold {
 		if !ok {
 			continue
 		}
-		if c, ok := z.store.(limiter.SlotCutter); ok && prev.GCRA != l.limit.GCRA {
-			// A window count read as an arrival time, or the reverse,
-			// means nothing: the limit starts afresh. (Redis tells them
-			// apart: internal/limiter/redis.lua.)
-			c.ClearSlot(l.slot)
-		}
 		switch {
 		case prev.Window == l.limit.Window:
 			l.limit.Since = prev.Since
@@ -230,15 +231,14 @@ func (z *zone) hold(s zoneSettings) zoneHold {
 			// with any "caddy validate" run) when the handler serves its
 			// first request, so a config that never runs cuts nothing.
 			l.limit.Since = time.Now()
-			cutoff := l.limit.Since.Add(l.limit.Window)
-			if c, ok := z.store.(limiter.SlotCutter); ok {
-				c.CutWindows(l.slot, cutoff)
-			}
-			if _, ok := z.store.(limiter.SharedCutter); ok && !l.limit.Sliding && !l.limit.GCRA {
+			cut := windowCut{limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}, l.limit.Since.Add(l.limit.Window)}
+			if _, shared := z.fleet(); !shared {
+				_ = z.store.CutWindows(context.Background(), cut.check, cut.cutoff) // a memory store's never fails
+			} else if !l.limit.Sliding && !l.limit.GCRA {
 				// A sliding window's keys outlive its end by a window
 				// (internal/limiter/redis.lua): a shorter one applies from each
 				// key's next window.
-				cuts = append(cuts, windowCut{limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}, cutoff})
+				cuts = append(cuts, cut)
 			}
 		}
 	}
@@ -289,9 +289,6 @@ func (z *zone) slotFor(name string, s zoneSettings) int {
 	}
 	take := func(i int) int {
 		z.slots[i] = name
-		if t, ok := z.store.(limiter.Tunable); ok {
-			t.SetSlotName(i, name)
-		}
 		return i
 	}
 	for i := 1; i < limiter.MaxChecks; i++ {
@@ -348,20 +345,11 @@ func (z *zone) spoofableKey() bool {
 // hold and unhold call it.
 func (z *zone) apply(s zoneSettings) {
 	z.gcInterval.Store(int64(s.gcInterval))
-	if t, ok := z.store.(limiter.Tunable); ok {
-		t.SetMaxTracked(s.maxTracked)
+	limits := make([]limiter.Check, len(s.limits))
+	for i, l := range s.limits {
+		limits[i] = limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}
 	}
-	if t, ok := z.store.(limiter.LimitsTunable); ok {
-		limits := make([]limiter.Check, len(s.limits))
-		for i, l := range s.limits {
-			limits[i] = limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}
-		}
-		t.SetLimits(limits)
-	}
-	if f, ok := z.store.(limiter.FailurePolicy); ok {
-		f.SetTimeout(s.timeout)
-		f.SetOnError(s.onError)
-	}
+	z.store.Configure(limiter.Settings{MaxTracked: s.maxTracked, Limits: limits, Timeout: s.timeout, OnError: s.onError})
 }
 
 // Destruct stops the zone's background work when the last handler naming it

@@ -249,8 +249,8 @@ func TestMemoryStoreShortAndLongKeysAlike(t *testing.T) {
 			}
 		case op < 97:
 			slot, at := r.IntN(len(limits)), now.Add(time.Duration(r.IntN(5000))*time.Millisecond)
-			short.CutWindows(slot, at)
-			long.CutWindows(slot, at)
+			short.cutSlot(slot, at)
+			long.cutSlot(slot, at)
 		default:
 			slot := r.IntN(len(limits))
 			short.ClearSlot(slot)

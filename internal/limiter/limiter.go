@@ -192,38 +192,17 @@ type KeyState struct {
 	BannedUntil time.Time
 }
 
-// Store keeps the per-key counters of one zone. Implementations are safe for
-// concurrent use.
+// Store keeps the per-key counters of one zone: what every store does.
+// What only a store shared by a fleet does is in Fleet and Syncer.
+// Implementations are safe for concurrent use.
 type Store interface {
-	// Hit counts one request for key at time now against limit and returns
-	// the verdict. A refused request is not added to the window's count (it
-	// never extends a lockout) but is tallied in the key's refused count.
-	Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error)
-
 	// Decide judges one request against every check at once, atomically,
 	// and writes check i's verdict to out[i] (out is at least as long as
 	// checks, which hold at most MaxChecks). The request is admitted when
-	// every verdict is; then each check's count goes up by one. Otherwise no
-	// count goes up, and each refusing check tallies a refusal. Hit is
-	// Decide with one check in slot 0 of name "".
+	// every verdict is; then each check's count goes up by its cost.
+	// Otherwise no count goes up, and each refusing check tallies a
+	// refusal.
 	Decide(ctx context.Context, checks []Check, now time.Time, out []Verdict) error
-
-	// Len returns the number of keys tracked, expired windows included until
-	// they are purged.
-	Len() int
-
-	// Range calls fn for every key whose window has not expired at now, in no
-	// particular order, until fn returns false. It never holds a lock across
-	// the whole store.
-	Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error
-
-	// Forget drops key at once from every limit, so its next request
-	// starts fresh windows. It reports whether the key was tracked.
-	Forget(ctx context.Context, key string) (bool, error)
-
-	// ForgetCheck drops c.Key from c's limit only (c.Limit is not read).
-	// A ban and the violations that escalate it go too.
-	ForgetCheck(ctx context.Context, c Check) (bool, error)
 
 	// Refund gives back, at now, what an admitted decision spent in each
 	// check (its Cost), for a request that turned out not to count (a
@@ -239,15 +218,70 @@ type Store interface {
 	// to stand. It returns when the ban ends (zero when the store holds
 	// no room for it).
 	Ban(ctx context.Context, c Check, now time.Time) (time.Time, error)
+
+	// Len returns the number of keys tracked in this process, expired
+	// windows included until they are purged.
+	Len() int
+
+	// Range calls fn for every key whose window has not expired at now, in no
+	// particular order, until fn returns false. It never holds a lock across
+	// the whole store.
+	Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error
+
+	// RangeLen returns at least the number of KeyStates Range would list
+	// now, give or take keys being added meanwhile, so a reader can tell a
+	// request that reaches past every key before paying for the scan; ok
+	// is false when the store cannot tell without one.
+	RangeLen() (n int, ok bool)
+
+	// Forget drops key at once from every limit, so its next request
+	// starts fresh windows. It reports whether the key was tracked.
+	Forget(ctx context.Context, key string) (bool, error)
+
+	// ForgetCheck drops c.Key from c's limit only (c.Limit is not read).
+	// A ban and the violations that escalate it go too.
+	ForgetCheck(ctx context.Context, c Check) (bool, error)
+
+	// Configure applies the settings the zone runs with: a reload calls
+	// it again, and the store keeps its counts. A limit whose algorithm
+	// changed (to or from GCRA) starts afresh.
+	Configure(s Settings)
+
+	// CutWindows ends, by cutoff at the latest, the running windows of the
+	// limit c names (c.Slot and c.Name) that would end after it: a reload
+	// shortened the window. A Fleet store is cut only once a handler
+	// serves, so that a config that is only validated cuts nothing.
+	CutWindows(ctx context.Context, c Check, cutoff time.Time) error
+
+	// Run does the store's background work until ctx ends: sweeping
+	// expired windows every interval(), and for a Fleet store its health
+	// probes and sync rounds.
+	Run(ctx context.Context, interval func() time.Duration)
+
+	// Evictions counts the live keys evicted to make room since the store
+	// was created.
+	Evictions() uint64
+
+	// HashedKeys reports whether the store keeps keys as HMAC hashes
+	// (hash_keys), so that Range lists hashes; Tag returns a key as the
+	// store keeps it.
+	HashedKeys() bool
+	Tag(key string) string
 }
 
-// RangeSizer is a Store that knows, without a scan, an upper bound on what
-// Range lists, so a reader can tell a request that reaches past every key
-// before paying for the scan.
-type RangeSizer interface {
-	// RangeLen returns at least the number of KeyStates Range would list
-	// now, give or take keys being added meanwhile.
-	RangeLen() int
+// Settings are what a zone runs its store with: those of its newest
+// handler (Store.Configure).
+type Settings struct {
+	// MaxTracked bounds the keys the store tracks in this process.
+	MaxTracked int
+	// Limits are the zone's limits, the first limit first: the Slot, Name
+	// and Limit of each (Key is not read).
+	Limits []Check
+	// Timeout bounds each decision's round trip to a Fleet store
+	// (DefaultTimeout when zero); OnError is what it does when that fails
+	// (OnErrorLocal when empty). A memory store reads neither.
+	Timeout time.Duration
+	OnError string
 }
 
 // sliding returns the requests the sliding-window counter holds against a

@@ -46,6 +46,7 @@ type MemoryStore struct {
 
 	namesMu sync.Mutex
 	names   [MaxChecks]string // the limit name of each slot, for Range
+	algos   [MaxChecks]int8   // how each slot counts as last configured: algoUnset, algoWindow or algoGCRA
 }
 
 // memShard holds the windows of the keys that hash to it: short keys in its
@@ -120,7 +121,7 @@ func NewMemoryStore(maxTracked int) *MemoryStore {
 }
 
 // SetMaxTracked changes the bound on tracked keys. A bound below the keys
-// tracked wakes the sweeper (RunSweeper), which evicts the excess in slices
+// tracked wakes the sweeper (Run), which evicts the excess in slices
 // (Trim); until it is done, each new key evicts insertEvictions keys, so the
 // store shrinks and never grows, and no request waits on the whole excess.
 func (s *MemoryStore) SetMaxTracked(maxTracked int) {
@@ -129,6 +130,34 @@ func (s *MemoryStore) SetMaxTracked(maxTracked int) {
 		select {
 		case s.trimWake <- struct{}{}:
 		default: // a wake is pending already
+		}
+	}
+}
+
+// How a slot counts, as Configure last saw it.
+const (
+	algoUnset int8 = iota
+	algoWindow
+	algoGCRA
+)
+
+// Configure implements Store: it bounds the keys tracked and names each
+// limit's slot, for Range. A slot given a new name, or whose limit changed
+// to or from GCRA (a count read as an arrival time means nothing), forgets
+// what it counted.
+func (s *MemoryStore) Configure(st Settings) {
+	s.SetMaxTracked(st.MaxTracked)
+	for _, c := range st.Limits {
+		algo := algoWindow
+		if c.Limit.GCRA {
+			algo = algoGCRA
+		}
+		s.namesMu.Lock()
+		old, was := s.names[c.Slot], s.algos[c.Slot]
+		s.names[c.Slot], s.algos[c.Slot] = c.Name, algo
+		s.namesMu.Unlock()
+		if old != c.Name || was != algoUnset && was != algo {
+			s.ClearSlot(c.Slot)
 		}
 	}
 }
@@ -184,7 +213,7 @@ func (s *MemoryStore) ClearSlot(slot int) {
 // MaxTracked returns the bound on tracked keys.
 func (s *MemoryStore) MaxTracked() int { return int(s.maxTracked.Load()) }
 
-// Evictions returns how many live keys were evicted since the store was
+// Evictions implements Store: it returns how many live keys were evicted since the store was
 // created, to make room for new ones or to reach a lowered bound (Trim).
 // Expired windows purged are not counted.
 func (s *MemoryStore) Evictions() uint64 { return s.evictions.Load() }
@@ -198,7 +227,8 @@ func (s *MemoryStore) hash(key string, slot int) uint64 {
 	return maphash.String(s.seed, key) ^ slotSalts[slot]
 }
 
-// Hit implements Store. It never returns an error.
+// Hit decides one request against limit alone: Decide with one check in
+// slot 0, of name "". It never returns an error.
 func (s *MemoryStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	// Not a shared helper taking s.Decide as a func value: through one,
 	// the check and verdict escape to the heap on every call.
@@ -457,7 +487,4 @@ func (s *MemoryStore) unlockShards(idx []uint64) {
 func (s *MemoryStore) Len() int { return int(s.tracked.Load()) }
 
 // Interface guards
-var (
-	_ Store      = (*MemoryStore)(nil)
-	_ RangeSizer = (*MemoryStore)(nil)
-)
+var _ Store = (*MemoryStore)(nil)

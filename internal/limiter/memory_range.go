@@ -6,9 +6,9 @@ import (
 	"unsafe"
 )
 
-// RangeLen implements RangeSizer: the windows tracked plus the bans, since
+// RangeLen implements Store: the windows tracked plus the bans, since
 // Range lists a ban on its own once its window has ended.
-func (s *MemoryStore) RangeLen() int { return int(s.tracked.Load() + s.banned.Load()) }
+func (s *MemoryStore) RangeLen() (int, bool) { return int(s.tracked.Load() + s.banned.Load()), true }
 
 // Range implements Store. It copies one shard at a time under that shard's
 // lock and calls fn with no lock held. A sliding window is listed until it
@@ -105,9 +105,16 @@ func (s *MemoryStore) ForgetCheck(_ context.Context, c Check) (bool, error) {
 	return ok, nil
 }
 
-// CutWindows ends every window of the limit in slot that would end after
-// cutoff at cutoff: a reload shortened the limit's window.
-func (s *MemoryStore) CutWindows(slot int, cutoff time.Time) {
+// CutWindows implements Store: the store is this process's, so it is cut
+// at once. It never fails.
+func (s *MemoryStore) CutWindows(_ context.Context, c Check, cutoff time.Time) error {
+	s.cutSlot(c.Slot, cutoff)
+	return nil
+}
+
+// cutSlot ends every window of the limit in slot that would end after
+// cutoff at cutoff.
+func (s *MemoryStore) cutSlot(slot int, cutoff time.Time) {
 	c := cutoff.UnixNano()
 	for i := range s.shards {
 		sh := &s.shards[i]
@@ -127,3 +134,9 @@ func (s *MemoryStore) CutWindows(slot int, cutoff time.Time) {
 		sh.mu.Unlock()
 	}
 }
+
+// HashedKeys implements Store: a memory store keeps keys as they are.
+func (s *MemoryStore) HashedKeys() bool { return false }
+
+// Tag implements Store: key itself.
+func (s *MemoryStore) Tag(key string) string { return key }

@@ -50,12 +50,12 @@ func (s *MemoryStore) Sweep(now time.Time) int {
 	return total
 }
 
-// RunSweeper calls Sweep every interval(), give or take a tenth at random so
+// Run implements Store: it calls Sweep every interval(), give or take a tenth at random so
 // that zones created together do not sweep together, and Trim whenever
 // SetMaxTracked lowers the bound below the keys tracked, until ctx is done.
 // interval is read before each wait, so a caller can change it while the
 // sweeper runs; a non-positive interval stops the sweeper.
-func (s *MemoryStore) RunSweeper(ctx context.Context, interval func() time.Duration) {
+func (s *MemoryStore) Run(ctx context.Context, interval func() time.Duration) {
 	for {
 		interval := interval()
 		if interval <= 0 {

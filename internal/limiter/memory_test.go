@@ -13,10 +13,13 @@ var (
 	t0 = time.Unix(1_800_000_000, 0)
 )
 
-// hit calls Hit and fails the test on an error (the memory store has none).
+// hit decides one request of key against lim alone (slot 0, name "") and
+// fails the test on an error (the memory store has none).
 func hit(t testing.TB, s Store, key string, now time.Time, lim Limit) Verdict {
 	t.Helper()
-	v, err := s.Hit(bg, key, now, lim)
+	var out [1]Verdict
+	err := s.Decide(bg, []Check{{Key: key, Limit: lim}}, now, out[:])
+	v := out[0]
 	if err != nil {
 		t.Fatalf("Hit(%q): %v", key, err)
 	}
@@ -192,7 +195,7 @@ func TestMemoryStoreSweeperStops(t *testing.T) {
 	hit(t, s, "gone", time.Now().Add(-time.Hour), Limit{Window: time.Second, Max: 1})
 	ctx, cancel := context.WithCancel(bg)
 	done := make(chan struct{})
-	go func() { s.RunSweeper(ctx, func() time.Duration { return 10 * time.Millisecond }); close(done) }()
+	go func() { s.Run(ctx, func() time.Duration { return 10 * time.Millisecond }); close(done) }()
 	deadline := time.Now().Add(5 * time.Second)
 	for s.Len() != 0 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
@@ -377,7 +380,7 @@ func TestMemoryStoreSweeperTrimsLoweredBound(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(bg)
 	done := make(chan struct{})
-	go func() { s.RunSweeper(ctx, func() time.Duration { return time.Hour }); close(done) }()
+	go func() { s.Run(ctx, func() time.Duration { return time.Hour }); close(done) }()
 	s.SetMaxTracked(1000)
 	deadline := time.Now().Add(10 * time.Second)
 	for s.Len() != 1000 && time.Now().Before(deadline) {
@@ -407,7 +410,7 @@ func TestMemoryStoreTrimWhileInserting(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(bg)
 	defer cancel()
-	go s.RunSweeper(ctx, func() time.Duration { return time.Hour })
+	go s.Run(ctx, func() time.Duration { return time.Hour })
 	s.SetMaxTracked(bound)
 	var wg sync.WaitGroup
 	var mu sync.Mutex

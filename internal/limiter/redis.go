@@ -199,8 +199,8 @@ func (s *RedisStore) slowTimeout() time.Duration {
 // lists hashes rather than client keys.
 func (s *RedisStore) HashedKeys() bool { return s.hashKey != nil }
 
-// Hit implements Store. It returns an error only when Redis failed and
-// on_error is deny; with allow or local the verdict has StoreError set.
+// Hit decides one request against limit alone: Decide with one check in
+// slot 0, of name "".
 func (s *RedisStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
 	// Not a shared helper taking s.Decide as a func value: through one,
 	// the check and verdict escape to the heap on every call.
@@ -350,13 +350,20 @@ func (s *RedisStore) fallback(ctx context.Context, checks []Check, now time.Time
 // OnError returns what the store does when Redis fails.
 func (s *RedisStore) OnError() string { return *s.onError.Load() }
 
-// SetSlotName names the limit counted in slot of the in-process fallback
-// store (see MemoryStore.SetSlotName).
-func (s *RedisStore) SetSlotName(slot int, name string) { s.local.SetSlotName(slot, name) }
+// Configure implements Store: the decisions' timeout and on_error mode,
+// the bound on the in-process state, and the zone's limits, so that Forget
+// reaches a key in each and Range reports each key's window as its limit
+// counts it. The local fallback store is configured alike.
+func (s *RedisStore) Configure(st Settings) {
+	s.SetMaxTracked(st.MaxTracked)
+	s.SetTimeout(st.Timeout)
+	s.SetOnError(st.OnError)
+	s.SetLimits(st.Limits)
+	s.local.Configure(st)
+}
 
 // SetLimits tells the store the zone's limits (Slot, Name and Limit of
-// each; Key is not read), so that Forget reaches a key in each and Range
-// reports each key's window as the limit counts it.
+// each; Key is not read).
 func (s *RedisStore) SetLimits(limits []Check) {
 	cp := slices.Clone(limits)
 	s.limits.Store(&cp)
@@ -411,4 +418,4 @@ func (s *RedisStore) Ban(ctx context.Context, c Check, now time.Time) (time.Time
 }
 
 // Interface guards
-var _ Store = (*RedisStore)(nil)
+var _ Syncer = (*RedisStore)(nil)

@@ -103,7 +103,7 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 // sweeps the local fallback store every interval(); it returns when ctx is
 // done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
-	go s.local.RunSweeper(ctx, interval)
+	go s.local.Run(ctx, interval)
 	if s.sync != nil {
 		go s.runSync(ctx)
 	}

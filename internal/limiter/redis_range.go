@@ -13,6 +13,14 @@ import (
 	"go.uber.org/zap"
 )
 
+// RangeLen implements Store: Redis's keys are counted only by walking
+// them.
+func (s *RedisStore) RangeLen() (int, bool) { return 0, false }
+
+// Evictions implements Store: Redis evicts nothing of the zone's (its
+// maxmemory policy aside).
+func (s *RedisStore) Evictions() uint64 { return 0 }
+
 // Len implements Store. Counters in Redis are counted only by walking them
 // (CountKeys); Len returns the keys tracked in this process by the local
 // fallback store.
@@ -91,7 +99,7 @@ func (s *RedisStore) forEachNode(ctx context.Context, fn func(ctx context.Contex
 // (Redis 7), which never lengthens one.
 func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) error {
 	s.refused.forgetAfter(cutoff.UnixNano())
-	s.local.CutWindows(c.Slot, cutoff)
+	s.local.cutSlot(c.Slot, cutoff)
 	if s.sync != nil {
 		// Windows of another length are other aligned windows: the next
 		// decision starts afresh, and redis_sync.lua drops a count
