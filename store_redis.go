@@ -446,7 +446,7 @@ func releaseRedisClient(connKey string) error {
 // the same connection config, which the returned func lets go of.
 func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Logger) (limiter.Store, func() error) {
 	client, warm := loadRedisClient(sc)
-	rs := limiter.NewRedisStore(limiter.RedisStoreOptions{
+	opts := limiter.RedisStoreOptions{
 		Client:      client,
 		Warmup:      warm,
 		Prefix:      sc.KeyPrefix + zone + ":",
@@ -457,7 +457,13 @@ func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Lo
 		Sync:        time.Duration(sc.Sync),
 		SyncSpend:   sc.SyncSpend,
 		SyncTimeout: time.Duration(sc.SyncTimeout),
-	})
+	}
+	var rs limiter.Store
+	if opts.Sync > 0 {
+		rs = limiter.NewSyncStore(opts)
+	} else {
+		rs = limiter.NewRedisStore(opts)
+	}
 	connKey := sc.connKey
 	return rs, func() error { return releaseRedisClient(connKey) }
 }

@@ -103,7 +103,7 @@ func (z *zone) fleet() (f limiter.Fleet, ok bool) {
 // false in any other mode.
 func (z *zone) syncStats(now time.Time) (limiter.SyncStats, bool) {
 	if sy, ok := z.store.(limiter.Syncer); ok {
-		return sy.SyncStats(now)
+		return sy.SyncStats(now), true
 	}
 	return limiter.SyncStats{}, false
 }

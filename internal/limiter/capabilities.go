@@ -43,7 +43,6 @@ type Fleet interface {
 type Syncer interface {
 	Fleet
 
-	// SyncStats returns the sync loop's figures at now; ok is false when
-	// the store does not run in sync mode.
-	SyncStats(now time.Time) (st SyncStats, ok bool)
+	// SyncStats returns the sync loop's figures at now.
+	SyncStats(now time.Time) SyncStats
 }

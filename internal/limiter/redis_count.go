@@ -75,7 +75,7 @@ func (c *keyCounter) result() KeyCount {
 // that finished, with its time, and while none has finished a partial count:
 // what the counts have found so far, marked Partial, never a false 0 of
 // keys that were not counted yet.
-func (s *RedisStore) CountKeys(ctx context.Context) KeyCount {
+func (s *redisCore) CountKeys(ctx context.Context) KeyCount {
 	c := &s.counts
 	c.mu.Lock()
 	if c.running == nil && time.Now().Before(c.next) {
@@ -103,11 +103,11 @@ func (s *RedisStore) CountKeys(ctx context.Context) KeyCount {
 
 // count counts the zone's keys in Redis for CountKeys, within countBudget,
 // and records the result.
-func (s *RedisStore) count(ctx context.Context) {
+func (s *redisCore) count(ctx context.Context) {
 	c := &s.counts
 	start := time.Now()
 	cctx, cancel := context.WithTimeout(ctx, countBudget)
-	err := s.Range(cctx, start, func(KeyState) bool { c.seen.Add(1); return true })
+	err := s.owner.Range(cctx, start, func(KeyState) bool { c.seen.Add(1); return true })
 	cancel()
 	end := time.Now()
 	c.mu.Lock()

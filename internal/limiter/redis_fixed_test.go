@@ -275,7 +275,7 @@ func TestRedisScriptsReloaded(t *testing.T) {
 // string (the command holds them as *string), and base is built in one
 // allocation of its exact length.
 func TestRedisKeysBuiltOnce(t *testing.T) {
-	s := &RedisStore{prefix: "rl:zone:"}
+	s := &RedisStore{redisCore: redisCore{prefix: "rl:zone:"}}
 	now := time.Now()
 	for _, name := range []string{"", "burst"} {
 		for _, key := range []string{"203.0.113.9", "key:" + strings.Repeat("é", 40)} {

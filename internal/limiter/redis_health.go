@@ -40,13 +40,13 @@ const (
 )
 
 // Health returns HealthHealthy, HealthDegraded or HealthRecovering.
-func (s *RedisStore) Health() string { return stateNames[s.state.Load()] }
+func (s *redisCore) Health() string { return stateNames[s.state.Load()] }
 
 // Healthy reports whether the store is HEALTHY, for the store health metric.
-func (s *RedisStore) Healthy() bool { return s.state.Load() == stateHealthy }
+func (s *redisCore) Healthy() bool { return s.state.Load() == stateHealthy }
 
 // failed records a failed decision.
-func (s *RedisStore) failed(err error) {
+func (s *redisCore) failed(err error) {
 	switch s.state.Load() {
 	case stateHealthy:
 		if s.streak.Add(1) >= degradeAfter {
@@ -58,7 +58,7 @@ func (s *RedisStore) failed(err error) {
 }
 
 // succeeded records a successful round trip.
-func (s *RedisStore) succeeded() {
+func (s *redisCore) succeeded() {
 	switch s.state.Load() {
 	case stateHealthy:
 		if s.streak.Load() != 0 {
@@ -73,7 +73,7 @@ func (s *RedisStore) succeeded() {
 
 // transition moves the store from one health state to another, if it is
 // still in from, and logs the change once.
-func (s *RedisStore) transition(from, to int32, cause error) {
+func (s *redisCore) transition(from, to int32, cause error) {
 	if !s.state.CompareAndSwap(from, to) {
 		return
 	}
@@ -89,24 +89,18 @@ func (s *RedisStore) transition(from, to int32, cause error) {
 		}
 	case stateRecovering:
 		s.logger.Info("redis store recovering: redis answers again", fields...)
-		if s.sync != nil {
-			s.sync.resend.Store(true) // the running windows' counts go to Redis once more
-		}
+		s.owner.recovered()
 	case stateHealthy:
 		s.logger.Info("redis store healthy", fields...)
 	}
 }
 
-// Run probes Redis whenever the store is degraded, until it is healthy
-// again, adds the refusals answered in-process to the tallies in Redis every
-// second while it is not degraded, runs the counts CountKeys asks for, and
-// sweeps the local fallback store every interval(); it returns when ctx is
+// run probes Redis whenever the store is degraded, until it is healthy
+// again, runs the counts CountKeys asks for, listens to the unblock channel
+// once the store is used, and calls flush (when not nil) every
+// refusedFlushEvery while the store is not degraded; it returns when ctx is
 // done.
-func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
-	go s.local.Run(ctx, interval)
-	if s.sync != nil {
-		go s.runSync(ctx)
-	}
+func (s *redisCore) run(ctx context.Context, flush func(ctx context.Context)) {
 	go func() {
 		// Nothing connects before the store is used: a config that is
 		// only validated never subscribes.
@@ -117,8 +111,12 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 		}
 		s.listen(ctx)
 	}()
-	tick := time.NewTicker(refusedFlushEvery)
-	defer tick.Stop()
+	var tick <-chan time.Time
+	if flush != nil {
+		t := time.NewTicker(refusedFlushEvery)
+		defer t.Stop()
+		tick = t.C
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -129,24 +127,20 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 			// In its own goroutine: a count takes seconds on a large
 			// zone, and the refusals are flushed meanwhile.
 			go s.count(ctx)
-		case <-tick.C:
+		case <-tick:
 			if s.state.Load() != stateDegraded {
-				fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
-				if err := s.flushRefused(fctx, time.Now()); err != nil {
-					s.logger.Debug("adding cached refusals to redis", zap.Error(err))
-				}
-				cancel()
+				flush(ctx)
 			}
 		}
 	}
 }
 
 // Degraded reports whether the store is DEGRADED: it does not wait on Redis.
-func (s *RedisStore) Degraded() bool { return s.state.Load() == stateDegraded }
+func (s *redisCore) Degraded() bool { return s.state.Load() == stateDegraded }
 
 // probe runs probeOnce every probeEvery until the store is healthy or ctx
 // is done.
-func (s *RedisStore) probe(ctx context.Context) {
+func (s *redisCore) probe(ctx context.Context) {
 	timer := time.NewTimer(s.probeEvery)
 	defer timer.Stop()
 	for s.state.Load() != stateHealthy {
@@ -159,7 +153,7 @@ func (s *RedisStore) probe(ctx context.Context) {
 		// decision: after a restart it must dial (and maybe handshake TLS
 		// and authenticate) before its script runs.
 		pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
-		err := s.probeOnce(pctx)
+		err := s.owner.probeOnce(pctx)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
@@ -180,19 +174,3 @@ func (s *RedisStore) probe(ctx context.Context) {
 // (client keys are addresses or start with "key:"; hashed ones are hex), and
 // Range skips it.
 const probeTag = "__probe"
-
-// probeOnce runs both decision scripts on the probe key, with a limit no
-// probe reaches and a one-second window. A PING would answer while decisions still
-// fail (out of memory, a read-only replica, a script error), and the store
-// would cycle between degraded and recovering.
-func (s *RedisStore) probeOnce(ctx context.Context) error {
-	base := s.base("", probeTag)
-	// The decisions' own path (the auto-pipeliner, when on): a probe
-	// through another connection would call a Redis healthy that the
-	// decisions still cannot reach.
-	_, err := s.runScript(ctx, hitScript, []string{base + "c", base + "r", base + "p"}, []any{1 << 30, 1000, 1000, 0, 1, 0, ""})
-	if err == nil {
-		_, err = s.runScript(ctx, fixedScript, []string{base + "c", base + "r"}, []any{1 << 30, 1000, 1000, 1})
-	}
-	return err
-}

@@ -10,11 +10,11 @@ import (
 
 // Tag returns what names key in Redis and in the store's listing: the
 // key itself, or with HashKey its HMAC in hex.
-func (s *RedisStore) Tag(key string) string { return s.tag(key) }
+func (s *redisCore) Tag(key string) string { return s.tag(key) }
 
 // tag returns the part of the Redis keys that names the client: the key
 // itself, or its HMAC in hex.
-func (s *RedisStore) tag(key string) string {
+func (s *redisCore) tag(key string) string {
 	if s.hashKey == nil {
 		return key
 	}
@@ -28,11 +28,11 @@ func (s *RedisStore) tag(key string) string {
 // Cluster hash tag, so both keys of a client map to one slot, and so do the
 // keys of one client in every limit. A zone's first limit (name "") has no
 // name in its keys.
-func (s *RedisStore) base(name, tag string) string { return s.keyOf(name, tag, "") }
+func (s *redisCore) base(name, tag string) string { return s.keyOf(name, tag, "") }
 
 // keyOf returns base(name, tag) followed by suffix ("c" for the count
 // key), in one allocation.
-func (s *RedisStore) keyOf(name, tag, suffix string) string {
+func (s *redisCore) keyOf(name, tag, suffix string) string {
 	b := s.appendBase(make([]byte, 0, baseLen(s.prefix, name, tag)+len(suffix)), name, tag)
 	b = append(b, suffix...)
 	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not written again
@@ -48,7 +48,7 @@ func baseLen(prefix, name, tag string) int {
 }
 
 // appendBase appends base(name, tag) to b.
-func (s *RedisStore) appendBase(b []byte, name, tag string) []byte {
+func (s *redisCore) appendBase(b []byte, name, tag string) []byte {
 	b = append(b, s.prefix...)
 	if name != "" {
 		b = append(b, '@')
@@ -62,7 +62,7 @@ func (s *RedisStore) appendBase(b []byte, name, tag string) []byte {
 
 // parseKey splits a count or ban key the store wrote into the limit name
 // and the tag; ok is false for a key of another zone whose name the prefix starts.
-func (s *RedisStore) parseKey(k string) (name, tag string, ok bool) {
+func (s *redisCore) parseKey(k string) (name, tag string, ok bool) {
 	rest, ok := strings.CutPrefix(k, s.prefix)
 	if !ok {
 		return "", "", false

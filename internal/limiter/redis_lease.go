@@ -30,7 +30,7 @@ type Lease struct {
 // RenewLease more often than ttl and give it back with ReleaseLease; the
 // lease of an instance that dies lapses after ttl. An error means Redis did
 // not answer (the caller falls back as on_error says).
-func (s *RedisStore) AcquireLease(ctx context.Context, key string, maxOpen int, ttl time.Duration) (Lease, bool, error) {
+func (s *redisCore) AcquireLease(ctx context.Context, key string, maxOpen int, ttl time.Duration) (Lease, bool, error) {
 	s.awaitWarm(ctx)
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
@@ -52,7 +52,7 @@ func (s *RedisStore) AcquireLease(ctx context.Context, key string, maxOpen int, 
 // RenewLease extends l by ttl from now. A lease Redis lost (a failover, a
 // restart) is taken again, over the cap if need be, since its socket still
 // lives; lost reports that.
-func (s *RedisStore) RenewLease(ctx context.Context, l Lease, ttl time.Duration) (lost bool, err error) {
+func (s *redisCore) RenewLease(ctx context.Context, l Lease, ttl time.Duration) (lost bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	n, err := leaseScript.Run(ctx, s.client, []string{l.key}, "renew", l.id, ttl.Milliseconds(), 0).Int()
@@ -60,7 +60,7 @@ func (s *RedisStore) RenewLease(ctx context.Context, l Lease, ttl time.Duration)
 }
 
 // ReleaseLease gives l back.
-func (s *RedisStore) ReleaseLease(ctx context.Context, l Lease) error {
+func (s *redisCore) ReleaseLease(ctx context.Context, l Lease) error {
 	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 	defer cancel()
 	return leaseScript.Run(ctx, s.client, []string{l.key}, "release", l.id, 0, 0).Err()

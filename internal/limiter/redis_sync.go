@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"context"
+	"fmt"
 	"hash/maphash"
 	"math"
 	"slices"
@@ -28,6 +29,124 @@ const (
 	MinSyncInterval = 10 * time.Millisecond
 	MaxSyncInterval = 10 * time.Second
 )
+
+// SyncStore is the Redis store in sync mode: each decision is made in
+// memory, from this instance's counts and the fleet's as last read (its
+// table), and every interval a round sends the counts of the keys touched
+// since the last and reads the fleet's back (redis_sync.lua). Windows are
+// aligned to the clock. With SyncShare, each instance spends between two
+// rounds what the last leased it, sized by its recent demand: see
+// docs/redis.md for the bounds this keeps.
+//
+// It shares with the exact store (RedisStore) the client, the names of the
+// keys, health, the listing, unblocks and WebSocket leases (redisCore). The
+// zero value is not usable; call NewSyncStore. A SyncStore is safe for
+// concurrent use.
+type SyncStore struct {
+	redisCore
+	table *syncTable
+}
+
+// NewSyncStore returns a SyncStore syncing every opts.Sync (which must be
+// positive). It does not connect: its first decision starts the sync loop
+// (Run), and waits for the first round, up to the store's timeout.
+func NewSyncStore(opts RedisStoreOptions) *SyncStore {
+	s := &SyncStore{}
+	s.init(&opts, s)
+	s.table = newSyncTable(opts.Sync, opts.SyncSpend, newInstanceID(), opts.MaxTracked, opts.SyncTimeout)
+	return s
+}
+
+// Hit decides one request against limit alone: Decide with one check in
+// slot 0, of name "".
+func (s *SyncStore) Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error) {
+	var out [1]Verdict
+	err := s.Decide(ctx, []Check{{Key: key, Limit: limit}}, now, out[:])
+	return out[0], err
+}
+
+// Configure implements Store: the decisions' timeout (which bounds only
+// the wait for the first round), on_error (for WebSocket leases), the
+// zone's limits and the bound on the keys the table holds.
+func (s *SyncStore) Configure(st Settings) {
+	s.configure(st)
+	s.table.cap.Store(int64(max(st.MaxTracked, 1)))
+}
+
+// Run runs the sync loop, probes Redis whenever the store is degraded,
+// sweeps the table and runs the counts CountKeys asks for, until ctx is
+// done. interval is not read: the table sweeps itself every
+// syncSweepEvery.
+func (s *SyncStore) Run(ctx context.Context, _ func() time.Duration) {
+	go s.runSync(ctx)
+	s.run(ctx, nil)
+}
+
+// Len implements Store: the keys the table holds.
+func (s *SyncStore) Len() int { return int(s.table.len.Load()) }
+
+// Range implements Store (rangeKeys): every count outlives its window by a
+// window, as the next one's previous count (redis_sync.lua).
+func (s *SyncStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
+	return s.rangeKeys(ctx, now, true, fn)
+}
+
+// CutWindows implements Store: windows of another length are other aligned
+// windows, so the next decision starts afresh, and redis_sync.lua drops a
+// count written under a longer window. Nothing is cut.
+func (s *SyncStore) CutWindows(context.Context, Check, time.Time) error { return nil }
+
+// Forget implements Store: it forgets key in every limit of the zone, here
+// and in Redis; the other instances hear of it on the unblock channel.
+func (s *SyncStore) Forget(ctx context.Context, key string) (bool, error) {
+	return forgetEach(ctx, key, s.zoneLimits(), s.ForgetCheck)
+}
+
+// ForgetCheck implements Store.
+func (s *SyncStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
+	s.markUsed()
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	defer cancel()
+	tags := s.tagsOf(c.Key)
+	s.forgetSync(c.Name, tags)
+	return s.deleteKeys(ctx, c.Name, tags)
+}
+
+// forgetSync drops the named limit's entries of the keys
+// whose tags (keys, or their hashes) are tags, with the counts they had not
+// sent.
+func (s *SyncStore) forgetSync(name string, tags []string) {
+	s.table.forget(func(e *syncEntry) bool {
+		tag := e.tag // set once a round has sent the key
+		if tag == "" {
+			tag = s.tag(e.key)
+		}
+		return e.name == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key || t == tag })
+	})
+}
+
+// probeOnce implements redisOwner: one round of the sync script for the
+// probe key, through the client the rounds use.
+func (s *SyncStore) probeOnce(ctx context.Context) error {
+	ms := time.Now().UnixMilli()
+	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "c")},
+		ms, s.table.id, ms, 0, 1, 0, 0, fmt.Sprintf("%d 1000 0 -1 0 0 %d 0 0 0 0 -1", (ms/1000+1)*1000, 1<<30)).Err()
+}
+
+// recovered implements redisOwner: the running windows' counts go to
+// Redis once more.
+func (s *SyncStore) recovered() { s.table.resend.Store(true) }
+
+// subscribed implements redisOwner: Redis may have restarted, so the
+// counts of the running windows go to it again.
+func (s *SyncStore) subscribed(context.Context) { s.table.resend.Store(true) }
+
+// dropCached implements redisOwner: the named limit's entry of the key
+// goes, with the counts it had not sent.
+func (s *SyncStore) dropCached(name, tag string) { s.forgetSync(name, []string{tag}) }
+
+// Interface guards
+var _ Syncer = (*SyncStore)(nil)
 
 // syncShards is how many locks the sync table's keys are spread over.
 const syncShards = 64
@@ -304,10 +423,16 @@ func (sh *syncShard) touch(e *syncEntry) {
 	}
 }
 
-// decideSync is Decide in sync mode: from the table alone, never waiting
-// on Redis once the first round has ended.
-func (s *RedisStore) decideSync(ctx context.Context, checks []Check, now time.Time, out []Verdict) {
-	y := s.sync
+// Decide implements Store: from the table alone, never waiting on Redis
+// once the first round has ended. It fails only for more than MaxChecks
+// checks.
+func (s *SyncStore) Decide(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
+	n := len(checks)
+	if n > MaxChecks || len(out) < n {
+		return fmt.Errorf("redis sync store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
+	}
+	s.markUsed()
+	y := s.table
 	select {
 	case <-y.ready:
 	default:
@@ -360,6 +485,7 @@ func (s *RedisStore) decideSync(ctx context.Context, checks []Check, now time.Ti
 		}
 		y.shards[idx[i]].touch(e)
 	}
+	return nil
 }
 
 // verdict judges one check against e at t (Unix ns), and starts the ban of
@@ -443,10 +569,11 @@ func (y *syncTable) startBan(e *syncEntry, c *Check, t int64) {
 	y.bansMu.Unlock()
 }
 
-// refund gives back what admitted checks spent (count_status): a lower
-// count of the window they were admitted in, which the next round sends.
-func (s *RedisStore) refundSync(checks []Check, verdicts []Verdict) {
-	y := s.sync
+// Refund implements Store: what admitted checks spent (count_status) goes
+// back as a lower count of the window they were admitted in, which the
+// next round sends. It never fails.
+func (s *SyncStore) Refund(_ context.Context, checks []Check, _ time.Time, verdicts []Verdict) error {
+	y := s.table
 	for i := range checks {
 		if i >= len(verdicts) || !verdicts[i].Allowed {
 			continue
@@ -467,12 +594,18 @@ func (s *RedisStore) refundSync(checks []Check, verdicts []Verdict) {
 		}
 		sh.mu.Unlock()
 	}
+	return nil
 }
 
-// banSync is Ban in sync mode: the key is banned here at once and the
-// violation goes to Redis at the next round.
-func (s *RedisStore) banSync(c Check, now time.Time) time.Time {
-	y := s.sync
+// Ban implements Store: the key is banned here at once and the violation
+// goes to Redis at the next round, which spreads the ban to the fleet. It
+// never fails.
+func (s *SyncStore) Ban(_ context.Context, c Check, now time.Time) (time.Time, error) {
+	if c.Limit.Ban <= 0 {
+		return time.Time{}, nil
+	}
+	s.markUsed()
+	y := s.table
 	ck := cacheKey(c.Name, c.Key)
 	sh := &y.shards[y.shardOf(ck)]
 	sh.mu.Lock()
@@ -480,7 +613,7 @@ func (s *RedisStore) banSync(c Check, now time.Time) time.Time {
 	e := y.entry(sh, ck, &c, now.UnixMilli())
 	y.startBan(e, &c, now.UnixNano())
 	sh.touch(e)
-	return time.Unix(0, e.banUntil)
+	return time.Unix(0, e.banUntil), nil
 }
 
 // forget drops the entries match selects, with the counts they had not
@@ -515,13 +648,8 @@ func (y *syncTable) sweep(ms int64) {
 	y.fifoMu.Unlock()
 }
 
-// SyncStats returns the sync loop's figures; ok is false in exact mode.
-func (s *RedisStore) SyncStats(now time.Time) (st SyncStats, ok bool) {
-	if s.sync == nil {
-		return SyncStats{}, false
-	}
-	return s.sync.snapshot(now), true
-}
+// SyncStats implements Syncer.
+func (s *SyncStore) SyncStats(now time.Time) SyncStats { return s.table.snapshot(now) }
 
 // snapshot returns the sync loop's figures.
 func (y *syncTable) snapshot(now time.Time) SyncStats {

@@ -87,8 +87,8 @@ type syncItem struct {
 // runSync runs the sync loop until ctx ends: a round every interval while
 // Redis is not DEGRADED (the health probe brings it back), and a sweep of
 // the table every second. Nothing connects before the store is used.
-func (s *RedisStore) runSync(ctx context.Context) {
-	y := s.sync
+func (s *SyncStore) runSync(ctx context.Context) {
+	y := s.table
 	select {
 	case <-ctx.Done():
 		return
@@ -123,8 +123,8 @@ func (s *RedisStore) runSync(ctx context.Context) {
 // round trip fails to send (a batch, a ban) is left to the next round
 // (the counts are absolute: sending them twice counts nothing twice), and
 // the failure counts against the store's health.
-func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
-	y := s.sync
+func (s *SyncStore) syncRound(ctx context.Context, start time.Time) {
+	y := s.table
 	y.trim()
 	items := y.collect(s, start.UnixMilli())
 	bans := y.takeBans()
@@ -157,8 +157,8 @@ func (s *RedisStore) syncRound(ctx context.Context, start time.Time) {
 // with the first (bans not nil), then the keys' batches (one per Cluster
 // slot on a Cluster). It returns what it did not send, and the first
 // error; loaded is true once it has loaded the scripts again.
-func (s *RedisStore) syncTrip(ctx context.Context, items []syncItem, bans []Check, start time.Time, loaded bool) (unsent []syncItem, unbanned []Check, err error) {
-	y := s.sync
+func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check, start time.Time, loaded bool) (unsent []syncItem, unbanned []Check, err error) {
+	y := s.table
 	tctx, cancel := context.WithTimeout(ctx, y.tripTimeout)
 	defer cancel()
 	ms := start.UnixMilli()
@@ -236,8 +236,8 @@ const syncReplies = 7
 
 // syncCmd queues the script call of one batch on pipe: each key's count
 // key, and its numbers in one argument (see redis_sync.lua).
-func (s *RedisStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.Cmd {
-	y := s.sync
+func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.Cmd {
+	y := s.table
 	keys := make([]string, len(b))
 	args := make([]any, 7, 7+len(b))
 	args[0], args[1], args[2], args[3] = ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare)
@@ -268,7 +268,7 @@ func flag(b bool) int {
 
 // batches splits a round trip's items into script calls: on a Cluster, one
 // or more per slot, since a script's keys must share one.
-func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
+func (y *syncTable) batches(s *SyncStore, items []syncItem) [][]syncItem {
 	var out [][]syncItem
 	if _, cluster := s.client.(*redis.ClusterClient); !cluster {
 		for len(items) > 0 {
@@ -297,7 +297,7 @@ func (y *syncTable) batches(s *RedisStore, items []syncItem) [][]syncItem {
 // and with SyncShare the lease it asks for, twice what it spent and was
 // refused for want of a share since the last round (while learning, twice
 // what it spent: its pace).
-func (y *syncTable) collect(s *RedisStore, ms int64) []syncItem {
+func (y *syncTable) collect(s *SyncStore, ms int64) []syncItem {
 	all := y.resend.Swap(false)
 	var items []syncItem
 	for i := range y.shards {

@@ -24,7 +24,7 @@ const simInterval = 100 * time.Millisecond
 // (sim.step), with its clock.
 type simFleet struct {
 	t      *testing.T
-	stores []*RedisStore
+	stores []*SyncStore
 	opts   RedisStoreOptions
 	addr   string
 	now    time.Time
@@ -52,16 +52,16 @@ func newSimFleet(t *testing.T, srv *redistest.Server, n int, opts RedisStoreOpti
 
 // join starts one more instance now: its first round (which its first
 // decisions wait for) runs at once.
-func (f *simFleet) join() *RedisStore {
+func (f *simFleet) join() *SyncStore {
 	f.t.Helper()
 	opts := f.opts
 	client := redis.NewClient(&redis.Options{Addr: f.addr, MaxRetries: -1})
 	f.t.Cleanup(func() { client.Close() })
 	opts.Client = client
-	s := NewRedisStore(opts)
+	s := NewSyncStore(opts)
 	s.markUsed()
 	s.syncRound(context.Background(), f.now)
-	s.sync.setReady()
+	s.table.setReady()
 	f.stores = append(f.stores, s)
 	return s
 }
@@ -73,7 +73,7 @@ func (f *simFleet) step(d time.Duration) {
 	for !f.next.After(end) {
 		f.now = f.next
 		for _, s := range f.stores {
-			s.sync.next.Store(f.now.Add(simInterval).UnixNano())
+			s.table.next.Store(f.now.Add(simInterval).UnixNano())
 			s.syncRound(context.Background(), f.now)
 		}
 		f.next = f.next.Add(simInterval)

@@ -17,14 +17,14 @@ import (
 
 // syncFleet returns n stores in sync mode sharing one zone on addrs, as n
 // Caddy instances would.
-func syncFleet(t *testing.T, addrs []string, n int, opts RedisStoreOptions) []*RedisStore {
+func syncFleet(t *testing.T, addrs []string, n int, opts RedisStoreOptions) []*SyncStore {
 	t.Helper()
 	if opts.Prefix == "" {
 		opts.Prefix = "test:" + t.Name() + ":"
 	}
-	fleet := make([]*RedisStore, n)
+	fleet := make([]*SyncStore, n)
 	for i := range fleet {
-		fleet[i], _ = newTestRedisStore(t, addrs, opts)
+		fleet[i], _ = newTestSyncStore(t, addrs, opts)
 		fleet[i].markUsed()
 	}
 	return fleet
@@ -42,11 +42,11 @@ func untilWindowStarts(w, need time.Duration) {
 
 // waitSynced waits until every store of the fleet has had a round that
 // started after from.
-func waitSynced(t *testing.T, fleet []*RedisStore, from time.Time) {
+func waitSynced(t *testing.T, fleet []*SyncStore, from time.Time) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for _, s := range fleet {
-		for s.sync.lastOK.Load() <= from.UnixNano() {
+		for s.table.lastOK.Load() <= from.UnixNano() {
 			if time.Now().After(deadline) {
 				t.Fatal("the fleet did not sync within 10s")
 			}
@@ -114,25 +114,53 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 
 // manualFleet is syncFleet with rounds the test runs (round): the loop's
 // interval is too long to run any after its first.
-func manualFleet(t *testing.T, srv *redistest.Server, n int, opts RedisStoreOptions) []*RedisStore {
+func manualFleet(t *testing.T, srv *redistest.Server, n int, opts RedisStoreOptions) []*SyncStore {
 	t.Helper()
 	opts.Sync = MaxSyncInterval
 	fleet := syncFleet(t, []string{srv.Addr}, n, opts)
 	for _, s := range fleet {
-		<-s.sync.ready
+		<-s.table.ready
 	}
 	return fleet
 }
 
+// listeningSync is listening for a store in sync mode: once it returns, s
+// hears the unblocks announced (they drop entries of its table).
+func listeningSync(t testing.TB, s *SyncStore) {
+	t.Helper()
+	s.markUsed()
+	const probe = "listening-probe"
+	y := s.table
+	ck := cacheKey("", probe)
+	sh := &y.shards[y.shardOf(ck)]
+	held := func() bool {
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+		return sh.m[ck] != nil
+	}
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+		sh.mu.Lock()
+		y.entry(sh, ck, &Check{Key: probe, Limit: Limit{Window: time.Minute, Max: 1}}, time.Now().UnixMilli())
+		sh.mu.Unlock()
+		s.client.Publish(context.Background(), s.unblockChannel(), "\x00"+probe)
+		for wait := time.Now().Add(100 * time.Millisecond); time.Now().Before(wait); time.Sleep(5 * time.Millisecond) {
+			if !held() {
+				return
+			}
+		}
+	}
+	t.Fatal("the store never heard its unblock channel")
+}
+
 // round runs one sync round of each store, in order.
-func round(fleet ...*RedisStore) {
+func round(fleet ...*SyncStore) {
 	for _, s := range fleet {
 		s.syncRound(context.Background(), time.Now())
 	}
 }
 
 // count returns what Redis holds for key in s's zone's first limit.
-func count(t *testing.T, s *RedisStore, key string) int64 {
+func count(t *testing.T, s *SyncStore, key string) int64 {
 	t.Helper()
 	n, err := s.client.Get(context.Background(), s.base("", key)+"c").Int64()
 	if err != nil && err != redis.Nil {
@@ -142,7 +170,7 @@ func count(t *testing.T, s *RedisStore, key string) int64 {
 }
 
 // admit sends n decisions for key to s and returns how many were admitted.
-func admit(t *testing.T, s *RedisStore, key string, limit Limit, n int) int {
+func admit(t *testing.T, s *SyncStore, key string, limit Limit, n int) int {
 	t.Helper()
 	ok := 0
 	for range n {
@@ -163,7 +191,7 @@ func TestRedisSyncUnblockAndRefund(t *testing.T) {
 	srv := redistest.Start(t)
 	fleet := manualFleet(t, srv, 2, RedisStoreOptions{SyncSpend: SyncAll})
 	a, b := fleet[0], fleet[1]
-	listening(t, b, b.client)
+	listeningSync(t, b)
 	limit := Limit{Window: time.Minute, Max: 10}
 	untilWindowStarts(limit.Window, 5*time.Second)
 	if got := admit(t, a, "u", limit, 3) + admit(t, b, "u", limit, 2); got != 5 {
@@ -232,7 +260,7 @@ func TestRedisSyncBanSpreads(t *testing.T) {
 	// b hears of the ban at its first round after the key reaches it.
 	admit(t, b, "x", limit, 1)
 	round(b)
-	for name, s := range map[string]*RedisStore{"a": a, "b": b} {
+	for name, s := range map[string]*SyncStore{"a": a, "b": b} {
 		v, err := s.Hit(context.Background(), "x", time.Now(), limit)
 		if err != nil || v.Allowed || v.RetryAfter < 59*time.Minute {
 			t.Errorf("%s after the rounds: %+v %v, want a refusal for the hour's ban", name, v, err)
@@ -275,7 +303,7 @@ func TestRedisSyncOutage(t *testing.T) {
 	if s.Health() != HealthDegraded {
 		t.Errorf("health %s after three failed rounds, want %s", s.Health(), HealthDegraded)
 	}
-	st, _ := s.SyncStats(time.Now())
+	st := s.SyncStats(time.Now())
 	if st.Dropped != 11 {
 		// 22 keys, 10 held: the oldest 12 go, of which all but the key
 		// synced before the outage had counts Redis lacks.

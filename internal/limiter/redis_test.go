@@ -25,6 +25,24 @@ const testTimeout = 5 * time.Second
 // its probe running until the test ends.
 func newTestRedisStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*RedisStore, redis.UniversalClient) {
 	t.Helper()
+	s := NewRedisStore(testStoreOptions(t, addrs, opts))
+	startTestStore(t, &s.redisCore, s)
+	return s, s.client
+}
+
+// newTestSyncStore is newTestRedisStore for a store in sync mode
+// (opts.Sync).
+func newTestSyncStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*SyncStore, redis.UniversalClient) {
+	t.Helper()
+	s := NewSyncStore(testStoreOptions(t, addrs, opts))
+	startTestStore(t, &s.redisCore, s)
+	return s, s.client
+}
+
+// testStoreOptions completes opts for a test store: a client of its own
+// on addrs, the test's timeout and a prefix naming the test.
+func testStoreOptions(t testing.TB, addrs []string, opts RedisStoreOptions) RedisStoreOptions {
+	t.Helper()
 	client := redis.NewUniversalClient(&redis.UniversalOptions{
 		Addrs:                 addrs,
 		ContextTimeoutEnabled: true,
@@ -41,12 +59,16 @@ func newTestRedisStore(t testing.TB, addrs []string, opts RedisStoreOptions) (*R
 	if opts.Prefix == "" {
 		opts.Prefix = "test:" + t.Name() + ":"
 	}
-	s := NewRedisStore(opts)
-	s.probeEvery = 50 * time.Millisecond
+	return opts
+}
+
+// startTestStore runs s (whose core is c) until the test ends, probing
+// every 50ms.
+func startTestStore(t testing.TB, c *redisCore, s Store) {
+	c.probeEvery = 50 * time.Millisecond
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 	go s.Run(ctx, func() time.Duration { return time.Minute })
-	return s, client
 }
 
 // listening marks s used and returns once it hears its unblock channel. Its
@@ -801,10 +823,12 @@ func BenchmarkRedisHit(b *testing.B) {
 	// In sync mode no decision waits for Redis: the keys are synced
 	// every 100ms in the background.
 	piped, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, Pipeline: true, Prefix: "bench-piped:"})
-	synced, _ := newTestRedisStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, Sync: 100 * time.Millisecond, Prefix: "bench-sync:"})
+	synced, _ := newTestSyncStore(b, []string{srv.Addr}, RedisStoreOptions{Timeout: time.Second, Sync: 100 * time.Millisecond, Prefix: "bench-sync:"})
 	for _, tc := range []struct {
 		name  string
-		store *RedisStore
+		store interface {
+			Hit(ctx context.Context, key string, now time.Time, limit Limit) (Verdict, error)
+		}
 	}{{"concurrent-32/pipelined", piped}, {"concurrent-32/one-by-one", s}, {"concurrent-32/sync-100ms", synced}} {
 		b.Run(tc.name, func(b *testing.B) {
 			b.ReportAllocs()

@@ -103,7 +103,7 @@ func warmNode(ctx context.Context, c redis.UniversalClient) error {
 
 // awaitWarm starts the client's warm-up if it has not started, and waits
 // until it has ended or ctx is done. Once it has ended, it costs a load.
-func (s *RedisStore) awaitWarm(ctx context.Context) {
+func (s *redisCore) awaitWarm(ctx context.Context) {
 	if s.warm.ended.Load() {
 		return
 	}
