@@ -84,7 +84,7 @@ func parseStatusRanges(what string, entries []string) ([]statusRange, error) {
 		}
 		r, ok := parseStatusRange(e)
 		if !ok {
-			return nil, fmt.Errorf("invalid %s %q: want a status from 200 to 599 (401), a class (4xx), a range (500-599) or all; a status below 200 is never a response's final one", what, e)
+			return nil, fmt.Errorf("invalid %s %q: want a status from %d to %d (401), a class (4xx), a range (500-599) or all; a status below %d is never a response's final one", what, e, MinFinalStatus, MaxStatus, MinFinalStatus)
 		}
 		out = append(out, r)
 	}
@@ -97,7 +97,7 @@ func parseStatusRanges(what string, entries []string) ([]statusRange, error) {
 func parseStatusRange(e string) (statusRange, bool) {
 	code := func(s string) (int, bool) {
 		n, err := strconv.Atoi(s)
-		return n, err == nil && len(s) == 3 && n >= 200 && n <= 599
+		return n, err == nil && len(s) == 3 && n >= MinFinalStatus && n <= MaxStatus
 	}
 	if len(e) == 3 && e[1:] == "xx" && e[0] >= '2' && e[0] <= '5' {
 		c := int(e[0]-'0') * 100
@@ -272,7 +272,7 @@ type statusRecorder struct {
 
 // WriteHeader records the first final status.
 func (w *statusRecorder) WriteHeader(code int) {
-	if w.status == 0 && code >= 200 {
+	if w.status == 0 && code >= MinFinalStatus {
 		w.status, w.gone = code, w.ctx.Err() != nil
 	}
 	w.ResponseWriterWrapper.WriteHeader(code)

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"strconv"
 	"time"
@@ -141,7 +142,7 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "max":
 			rl.Max, err = parseInt(d, opt, val, 1)
 		case "max_tracked", "maxTracked":
-			rl.MaxTracked, err = parseInt(d, opt, val, MinMaxTracked)
+			rl.MaxTracked, err = parseIntRule(d, opt, val, maxTrackedRule)
 		case "key":
 			rl.Key = val
 		case "ipv6_prefix":
@@ -426,14 +427,26 @@ func oneArg(d *caddyfile.Dispenser, opt string) (string, error) {
 	return val, nil
 }
 
-// parseInt parses a whole number of at least lowest for option opt.
+// parseInt parses a whole number of at least lowest for option opt (an
+// explicit 0 where JSON's 0 is the default: lowest 1).
 func parseInt(d *caddyfile.Dispenser, opt, val string, lowest int) (int, error) {
+	return parseIntRule(d, opt, val, func(n int) error {
+		if n < lowest {
+			return fmt.Errorf("must be at least %d", lowest)
+		}
+		return nil
+	})
+}
+
+// parseIntRule parses a whole number for option opt that rule (validate.go)
+// accepts.
+func parseIntRule(d *caddyfile.Dispenser, opt, val string, rule func(int) error) (int, error) {
 	n, err := strconv.Atoi(val)
 	if err != nil {
 		return 0, d.Errf("invalid %s %q: not an integer", opt, val)
 	}
-	if n < lowest {
-		return 0, d.Errf("invalid %s %q: must be at least %d", opt, val, lowest)
+	if err := rule(n); err != nil {
+		return 0, d.Errf("invalid %s %q: %v", opt, val, err)
 	}
 	return n, nil
 }
@@ -455,11 +468,8 @@ func parseDuration(d *caddyfile.Dispenser, opt, val string) (caddy.Duration, err
 // durationOK, a duration such as "1m". It must be at least one second.
 func parseWindow(d *caddyfile.Dispenser, opt, val string, durationOK bool) (caddy.Duration, error) {
 	if secs, err := strconv.ParseInt(val, 10, 64); err == nil || errors.Is(err, strconv.ErrRange) {
-		if secs < 1 {
-			return 0, d.Errf("invalid %s %q: must be at least 1 second", opt, val)
-		}
-		if err != nil || secs > int64(MaxWindow/MinWindow) {
-			return 0, d.Errf("invalid %s %q: must be at most %d seconds (%s)", opt, val, int64(MaxWindow/MinWindow), MaxWindow)
+		if rerr := windowSecondsRule(secs, err != nil); rerr != nil {
+			return 0, d.Errf("invalid %s %q: %v", opt, val, rerr)
 		}
 		return caddy.Duration(time.Duration(secs) * MinWindow), nil
 	}

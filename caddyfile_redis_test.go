@@ -158,11 +158,14 @@ func TestStoreConfigProvision(t *testing.T) {
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"{env.RL_TEST_ADDR}"}}, `invalid redis address "h:99999": port must be a number from 1 to 65535 (from "{env.RL_TEST_ADDR}")`},
 		{StoreConfig{Type: StoreRedis, Addresses: []string{"a:1"}, Timeout: caddy.Duration(time.Microsecond)}, "invalid timeout 1µs: must be at least 1ms"},
 	} {
-		if err := tc.sc.provision(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-			t.Errorf("%+v: error %v, want one containing %q", tc.sc, err, tc.wantErr)
+		// What a load does: the check, then provisioning (which reads
+		// the url and the placeholders).
+		err := (&RateLimit{Store: &tc.sc}).check()
+		if err == nil {
+			err = tc.sc.provision()
 		}
-		if err := (&RateLimit{Store: &tc.sc}).Validate(); tc.sc.check() != nil && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
-			t.Errorf("%+v: Validate error %v, want one containing %q", tc.sc, err, tc.wantErr)
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			t.Errorf("%+v: error %v, want one containing %q", tc.sc, err, tc.wantErr)
 		}
 	}
 }
@@ -198,13 +201,13 @@ func TestSyncConfigErrors(t *testing.T) {
 			`invalid limit "burst" window 1s with sync 1s`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if err := tc.rl.Validate(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			if err := tc.rl.check(); err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 				t.Errorf("Validate: %v, want an error containing %q", err, tc.wantErr)
 			}
 		})
 	}
 	ok := RateLimit{Store: redis(100*time.Millisecond, func(sc *StoreConfig) { sc.SyncSpend = "share"; sc.OnError = "local" }), Algorithm: AlgorithmSliding}
-	if err := ok.Validate(); err != nil {
+	if err := ok.check(); err != nil {
 		t.Errorf("sync 100ms share, on_error local, sliding: %v", err)
 	}
 }
@@ -240,8 +243,8 @@ func TestStoreConfigRedactsURL(t *testing.T) {
 			errs["Provision"] = rl.Provision(ctx)
 			input := "rate_limit {\n store redis {\n url " + tc.url + "\n }\n}"
 			if tc.address != "" {
-				// Validate reads the url only to see it is set with an address.
-				errs["Validate"] = (&RateLimit{Store: store()}).Validate()
+				// The check reads the url only to see it is set with an address.
+				errs["check"] = (&RateLimit{Store: store()}).check()
 				input = "rate_limit {\n store redis {\n address " + tc.address + "\n url " + tc.url + "\n }\n}"
 				errs["Caddyfile"] = new(RateLimit).UnmarshalCaddyfile(caddyfile.NewTestDispenser(input))
 			} else {

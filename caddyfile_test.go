@@ -209,9 +209,9 @@ func TestValidateJSON(t *testing.T) {
 			if err := json.Unmarshal([]byte(tc.json), &rl); err != nil {
 				t.Fatal(err)
 			}
-			err := rl.Validate()
+			err := rl.check()
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("Validate() = %v, want an error containing %q", err, tc.want)
+				t.Fatalf("check() = %v, want an error containing %q", err, tc.want)
 			}
 		})
 	}
@@ -219,8 +219,8 @@ func TestValidateJSON(t *testing.T) {
 	if err := json.Unmarshal([]byte(`{"window": "1m", "max": 5, "max_tracked": 1000}`), &ok); err != nil {
 		t.Fatal(err)
 	}
-	if err := ok.Validate(); err != nil {
-		t.Fatalf("Validate() of a good config = %v", err)
+	if err := ok.check(); err != nil {
+		t.Fatalf("check() of a good config = %v", err)
 	}
 }
 

@@ -34,7 +34,7 @@ func FuzzUnmarshalCaddyfile(f *testing.F) {
 		if err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser(input)); err != nil {
 			return
 		}
-		if err := rl.Validate(); err != nil {
+		if err := rl.check(); err != nil {
 			t.Fatalf("parser accepted %q but Validate says %v", block, err)
 		}
 		if w := time.Duration(rl.Window); w < 0 || w > MaxWindow {

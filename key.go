@@ -89,7 +89,7 @@ func clientIPKey(ip string, ipv6Prefix int) string {
 		return addr.Unmap().String()
 	}
 	addr = addr.WithZone("")
-	if ipv6Prefix >= 128 {
+	if ipv6Prefix >= MaxIPv6Prefix {
 		return addr.String()
 	}
 	p, err := addr.Prefix(ipv6Prefix)

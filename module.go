@@ -29,7 +29,7 @@ const (
 	DefaultZone       = "default"
 	DefaultWindow     = time.Minute
 	DefaultMax        = 300
-	DefaultMaxTracked = 100_000
+	DefaultMaxTracked = limiter.DefaultMaxTracked
 	DefaultIPv6Prefix = 64
 	DefaultGCInterval = 5 * time.Minute
 
@@ -55,6 +55,21 @@ const (
 	// MinMaxTracked is the lowest max_tracked accepted: below it, eviction
 	// would let a handful of clients reset each other's windows.
 	MinMaxTracked = 1000
+
+	// MaxIPv6Prefix is the longest ipv6_prefix: a whole address.
+	MaxIPv6Prefix = 128
+
+	// MaxLimitName is the longest limit name, in bytes.
+	MaxLimitName = 32
+
+	// MinStatus and MaxStatus bound the status of a refusal (status).
+	MinStatus = 400
+	MaxStatus = 599
+
+	// MinFinalStatus is the lowest status a response ends with: a
+	// count_status entry below it could never match (informational
+	// statuses are never a response's last).
+	MinFinalStatus = 200
 )
 
 // statusClientClosedRequest is the status of a request whose client went
@@ -264,7 +279,12 @@ func (RateLimit) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision fills in defaults, checks the settings and takes the zone.
+// Provision fills in defaults, checks the settings, and builds the handler
+// and takes its zone. The check runs here, once, before anything is built:
+// Caddy calls a Validate method only after Provision, by when a bad reload
+// would have applied its settings to a running zone (a lower max_tracked
+// evicts keys, a shorter window cuts windows) that the reload's failure
+// cannot give back. The Caddyfile adapter runs the same check (check).
 func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	rl.logger = ctx.Logger()
 	if rl.Zone == "" {
@@ -395,13 +415,6 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Validate checks the settings. Provision already refuses bad ones, so that a
-// zone is never created from them; Validate repeats the check for callers
-// that validate without provisioning.
-func (rl *RateLimit) Validate() error {
-	return rl.check()
-}
-
 // Cleanup lets go of the zone; the last handler to let go of it stops it.
 func (rl *RateLimit) Cleanup() error {
 	if rl.zone == nil {
@@ -457,7 +470,6 @@ func (rl *RateLimit) isEnabled() bool {
 // Interface guards
 var (
 	_ caddy.Provisioner           = (*RateLimit)(nil)
-	_ caddy.Validator             = (*RateLimit)(nil)
 	_ caddy.CleanerUpper          = (*RateLimit)(nil)
 	_ caddyhttp.MiddlewareHandler = (*RateLimit)(nil)
 )

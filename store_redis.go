@@ -27,7 +27,7 @@ import (
 // Defaults of the Redis store options left unset.
 const (
 	DefaultRedisKeyPrefix = "caddy_rate_limit:"
-	DefaultRedisTimeout   = 100 * time.Millisecond
+	DefaultRedisTimeout   = limiter.DefaultTimeout
 
 	// MaxRedisTimeout is the longest timeout accepted, and the client's
 	// read and write timeout.
@@ -36,6 +36,9 @@ const (
 	// trip completes, and every decision would be made as on_error says.
 	MinRedisTimeout = time.Millisecond
 )
+
+// maxPort is the highest TCP port.
+const maxPort = 65535
 
 // redisClients holds the Redis clients, one per distinct connection config.
 // It is a package-level UsagePool because a client (its connection pool) is
@@ -264,11 +267,8 @@ func (sc *StoreConfig) hasRedisOptions() bool {
 }
 
 // provision fills in defaults, replaces placeholders and builds the client
-// options. It connects to nothing.
+// options, from settings check has passed. It connects to nothing.
 func (sc *StoreConfig) provision() error {
-	if err := sc.check(); err != nil {
-		return err
-	}
 	if !sc.isRedis() {
 		return nil
 	}
@@ -356,8 +356,8 @@ func checkAddress(addr string) error {
 	if err != nil {
 		return fmt.Errorf("invalid redis address %q: must be host:port", addr)
 	}
-	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
-		return fmt.Errorf("invalid redis address %q: port must be a number from 1 to 65535", addr)
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > maxPort {
+		return fmt.Errorf("invalid redis address %q: port must be a number from 1 to %d", addr, maxPort)
 	}
 	if host == "" {
 		return fmt.Errorf("invalid redis address %q: the host is missing", addr)

@@ -13,7 +13,9 @@ import (
 
 // Validation: every setting of the handler and its limits checked in one
 // place, each error naming the option and its value. The Caddyfile parser
-// checks only the shape of the tokens; Provision and Validate call check.
+// checks only the shape of the tokens, and for a value written in a form
+// JSON has not (windowS's seconds, maxTracked as the user spelled it) asks
+// this file's rule for it; Provision and the Caddyfile adapter call check.
 
 // check reports every invalid setting, naming the option and its value.
 func (rl *RateLimit) check() error {
@@ -34,11 +36,13 @@ func (rl *RateLimit) check() error {
 	if err := checkKey("key", rl.Key); err != nil {
 		errs = append(errs, err)
 	}
-	if rl.MaxTracked != 0 && rl.MaxTracked < MinMaxTracked {
-		errs = append(errs, fmt.Errorf("invalid max_tracked %d: must be at least %d", rl.MaxTracked, MinMaxTracked))
+	if rl.MaxTracked != 0 {
+		if err := maxTrackedRule(rl.MaxTracked); err != nil {
+			errs = append(errs, fmt.Errorf("invalid max_tracked %d: %w", rl.MaxTracked, err))
+		}
 	}
-	if rl.IPv6Prefix < 0 || rl.IPv6Prefix > 128 {
-		errs = append(errs, fmt.Errorf("invalid ipv6_prefix %d: must be between 1 and 128", rl.IPv6Prefix))
+	if rl.IPv6Prefix < 0 || rl.IPv6Prefix > MaxIPv6Prefix {
+		errs = append(errs, fmt.Errorf("invalid ipv6_prefix %d: must be between 1 and %d", rl.IPv6Prefix, MaxIPv6Prefix))
 	}
 	switch rl.Headers {
 	case "", HeadersLegacy, HeadersIETF, HeadersBoth, HeadersNone:
@@ -64,6 +68,27 @@ func (rl *RateLimit) check() error {
 	}
 	errs = append(errs, rl.checkLimits()...)
 	return errors.Join(errs...)
+}
+
+// maxTrackedRule says why n is no max_tracked, or nil.
+func maxTrackedRule(n int) error {
+	if n < MinMaxTracked {
+		return fmt.Errorf("must be at least %d", MinMaxTracked)
+	}
+	return nil
+}
+
+// windowSecondsRule says why a window of secs whole seconds (too many for
+// an int64 when overflow) is none, or nil: the form windowS and a bare
+// window take.
+func windowSecondsRule(secs int64, overflow bool) error {
+	switch {
+	case secs < 1:
+		return errors.New("must be at least 1 second")
+	case overflow || secs > int64(MaxWindow/MinWindow):
+		return fmt.Errorf("must be at most %d seconds (%s)", int64(MaxWindow/MinWindow), MaxWindow)
+	}
+	return nil
 }
 
 // validZoneName reports whether name is a usable zone name: it appears in
@@ -143,7 +168,7 @@ func (rl *RateLimit) checkLimits() []error {
 	for _, l := range rl.Limits {
 		what := fmt.Sprintf("limit %q", l.Name)
 		if !validLimitName(l.Name) {
-			errs = append(errs, fmt.Errorf("invalid limit name %q: use 1 to 32 letters, digits, _ and - only", l.Name))
+			errs = append(errs, fmt.Errorf("invalid limit name %q: use 1 to %d letters, digits, _ and - only", l.Name, MaxLimitName))
 		}
 		zone := rl.Zone
 		if zone == "" {
@@ -205,8 +230,8 @@ func (rl *RateLimit) checkLimits() []error {
 	default:
 		errs = append(errs, fmt.Errorf("invalid algorithm %q: must be fixed, sliding or gcra", rl.Algorithm))
 	}
-	if rl.Status != 0 && (rl.Status < 400 || rl.Status > 599) {
-		errs = append(errs, fmt.Errorf("invalid status %d: must be from 400 to 599", rl.Status))
+	if rl.Status != 0 && (rl.Status < MinStatus || rl.Status > MaxStatus) {
+		errs = append(errs, fmt.Errorf("invalid status %d: must be from %d to %d", rl.Status, MinStatus, MaxStatus))
 	}
 	for _, e := range rl.Exempt {
 		if _, err := parsePrefix(e); err != nil {
@@ -244,7 +269,7 @@ func checkWindow(what string, w time.Duration) error {
 // validLimitName reports whether name can name a limit: it appears in
 // headers, Redis keys, metric labels and admin URLs.
 func validLimitName(name string) bool {
-	if name == "" || len(name) > 32 {
+	if name == "" || len(name) > MaxLimitName {
 		return false
 	}
 	for _, c := range name {

@@ -312,7 +312,7 @@ func TestValidateWebSocket(t *testing.T) {
 		{RateLimit{WSMaxConnectionsPerIP: -1}, "invalid ws_max_connections_per_ip -1"},
 		{RateLimit{WSReject: "drop"}, `invalid ws_reject "drop"`},
 	} {
-		err := tc.rl.Validate()
+		err := tc.rl.check()
 		if tc.wantErr == "" && err != nil {
 			t.Errorf("%+v: %v", tc.rl, err)
 		}
