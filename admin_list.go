@@ -156,7 +156,7 @@ func limitStored(limits []zonePolicy, storeName string) (zonePolicy, bool) {
 // now ends. A banned key is listed until its ban ends, and a GCRA bucket
 // may be deeper than a window: neither is cut.
 func currentState(l zonePolicy, ks limiter.KeyState, now time.Time) (limiter.KeyState, bool) {
-	if !ks.BannedUntil.After(now) && !l.limit.GCRA {
+	if !ks.BannedUntil.After(now) && !l.limit.GCRA() {
 		t := now.UnixNano()
 		reset := l.limit.End(ks.Reset.UnixNano(), t)
 		if t >= reset {
@@ -171,7 +171,7 @@ func currentState(l zonePolicy, ks limiter.KeyState, now time.Time) (limiter.Key
 func keyInfo(zone string, l zonePolicy, ks limiter.KeyState, now time.Time) KeyInfo {
 	held, limited := l.limit.Weigh(ks, now)
 	quota, count := l.limit.Max, ks.Count
-	if l.limit.GCRA {
+	if l.limit.GCRA() {
 		// A bucket: what it holds is the count.
 		quota = cmp.Or(l.limit.Burst, l.limit.Max)
 		count = int(math.Ceil(held))

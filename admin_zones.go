@@ -26,16 +26,16 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 	lim, enabled := z.settings()
 	algorithm := AlgorithmFixed
 	switch {
-	case lim.GCRA:
+	case lim.GCRA():
 		algorithm = AlgorithmGCRA
-	case lim.Sliding:
+	case lim.Sliding():
 		algorithm = AlgorithmSliding
 	}
 	var policies []PolicyInfo
 	for _, l := range z.limits() {
 		pi := PolicyInfo{Name: l.name, Max: l.limit.Max, WindowSeconds: int64(l.limit.Window / time.Second),
 			BanSeconds: int64(l.limit.Ban / time.Second), BanMaxSeconds: int64(l.limit.BanMax / time.Second)}
-		if l.limit.GCRA {
+		if l.limit.GCRA() {
 			pi.Burst = cmp.Or(l.limit.Burst, l.limit.Max)
 		}
 		policies = append(policies, pi)

@@ -321,8 +321,14 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 
-	sliding, gcra := rl.Algorithm == AlgorithmSliding, rl.Algorithm == AlgorithmGCRA
-	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Sliding: sliding, GCRA: gcra}
+	algo := limiter.FixedWindow
+	switch rl.Algorithm {
+	case AlgorithmSliding:
+		algo = limiter.SlidingWindow
+	case AlgorithmGCRA:
+		algo = limiter.GCRA
+	}
+	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Algorithm: algo}
 	rl.policies = []policy{newPolicy(rl.Zone, "", first, rl.Key, rl.Missing)}
 	rl.policies[0].setAbuse(rl.AbuseControls)
 	for _, l := range rl.Limits {
@@ -330,7 +336,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		if key == "" {
 			key = rl.Key
 		}
-		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Sliding: sliding, GCRA: gcra}
+		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Algorithm: algo}
 		p := newPolicy(l.Name, l.Name, lim, key, l.Missing)
 		p.setAbuse(l.abuse(rl.AbuseControls))
 		rl.policies = append(rl.policies, p)

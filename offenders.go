@@ -290,7 +290,7 @@ func (z *zone) listRecent(ctx context.Context, q listQuery, limits []zonePolicy,
 			ki = KeyInfo{Key: r.key, Unblock: unblockPath(z.name, r.key)}
 			if r.known {
 				ki.Remaining = r.l.limit.Max
-				if r.l.limit.GCRA {
+				if r.l.limit.GCRA() {
 					ki.Remaining = cmp.Or(r.l.limit.Burst, r.l.limit.Max)
 				}
 			}

@@ -234,7 +234,7 @@ func (z *zone) hold(s zoneSettings) zoneHold {
 			cut := windowCut{limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}, l.limit.Since.Add(l.limit.Window)}
 			if _, shared := z.fleet(); !shared {
 				_ = z.store.CutWindows(context.Background(), cut.check, cut.cutoff) // a memory store's never fails
-			} else if !l.limit.Sliding && !l.limit.GCRA {
+			} else if l.limit.Algorithm == limiter.FixedWindow {
 				// A sliding window's keys outlive its end by a window
 				// (internal/limiter/redis.lua): a shorter one applies from each
 				// key's next window.

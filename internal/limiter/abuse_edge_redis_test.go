@@ -14,7 +14,7 @@ import (
 func TestEdgeRedisSlidingBanListing(t *testing.T) {
 	srv := redistest.StartReal(t, "real")
 	const window = 300 * time.Millisecond
-	lim := Limit{Window: window, Max: 1, Sliding: true, Ban: 5 * time.Second}
+	lim := Limit{Window: window, Max: 1, Algorithm: SlidingWindow, Ban: 5 * time.Second}
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
 	s.SetLimits([]Check{{Limit: lim}})
 	c := Check{Key: "203.0.113.9", Limit: lim}
@@ -53,7 +53,7 @@ func TestEdgeRedisSlidingBanListing(t *testing.T) {
 func TestEdgeRedisGCRARefundOverCredit(t *testing.T) {
 	srv := redistest.StartReal(t, "real")
 	const interval = 300 * time.Millisecond
-	lim := Limit{Window: interval, Max: 1, GCRA: true, Burst: 1}
+	lim := Limit{Window: interval, Max: 1, Algorithm: GCRA, Burst: 1}
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
 	s.SetLimits([]Check{{Limit: lim}})
 	c := Check{Key: "203.0.113.10", Limit: lim}
@@ -82,7 +82,7 @@ func TestEdgeRedisGCRARefundOverCredit(t *testing.T) {
 func TestEdgeRedisCostlyRefusalNotCached(t *testing.T) {
 	srv := redistest.StartReal(t, "real")
 	const interval = 100 * time.Millisecond
-	lim := Limit{Window: 10 * interval, Max: 10, GCRA: true} // burst 10
+	lim := Limit{Window: 10 * interval, Max: 10, Algorithm: GCRA} // burst 10
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{Timeout: 2 * time.Second})
 	listening(t, s, client)
 	s.SetLimits([]Check{{Limit: lim}})

@@ -10,7 +10,7 @@ import (
 // A cost whose units times the interval overflow int64 is refused, and
 // leaves the empty bucket empty.
 func TestEdgeGCRACostOverflow(t *testing.T) {
-	lim := Limit{Window: time.Hour, Max: 100, GCRA: true} // interval 36s
+	lim := Limit{Window: time.Hour, Max: 100, Algorithm: GCRA} // interval 36s
 	s := NewMemoryStore(1000)
 	c := Check{Key: "k", Limit: lim}
 	now := time.Now()
@@ -36,7 +36,7 @@ func TestEdgeGCRACostOverflow(t *testing.T) {
 // An admitted GCRA request's Reset is when the bucket is full again after
 // it, not before.
 func TestEdgeGCRAResetAfterSpend(t *testing.T) {
-	lim := Limit{Window: 10 * time.Second, Max: 10, GCRA: true} // interval 1s
+	lim := Limit{Window: 10 * time.Second, Max: 10, Algorithm: GCRA} // interval 1s
 	s := NewMemoryStore(1000)
 	c := Check{Key: "k", Limit: lim}
 	now := time.Now()
@@ -49,7 +49,7 @@ func TestEdgeGCRAResetAfterSpend(t *testing.T) {
 // A GCRA refund after the request's units have dripped back credits no
 // extra unit.
 func TestEdgeGCRARefundOverCredit(t *testing.T) {
-	lim := Limit{Window: 10 * time.Second, Max: 1, GCRA: true, Burst: 1} // one per 10s
+	lim := Limit{Window: 10 * time.Second, Max: 1, Algorithm: GCRA, Burst: 1} // one per 10s
 	s := NewMemoryStore(1000)
 	c := Check{Key: "k", Limit: lim}
 	t0 := time.Now()

@@ -78,7 +78,7 @@ func TestCost(t *testing.T) {
 
 func TestRefund(t *testing.T) {
 	fixed := Limit{Window: time.Minute, Max: 2}
-	gcra := Limit{Window: time.Minute, Max: 2, GCRA: true}
+	gcra := Limit{Window: time.Minute, Max: 2, Algorithm: GCRA}
 	limits := []Check{{Limit: fixed}, {Slot: 1, Name: "bucket", Limit: gcra}}
 	forEachStore(t, limits, func(t *testing.T, s Store) {
 		checks := []Check{
@@ -184,7 +184,7 @@ func TestBanEscalates(t *testing.T) {
 
 func TestGCRA(t *testing.T) {
 	// 10 per second: one every 100ms, bursts of 3.
-	lim := Limit{Window: time.Second, Max: 10, GCRA: true, Burst: 3}
+	lim := Limit{Window: time.Second, Max: 10, Algorithm: GCRA, Burst: 3}
 	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
 		c := Check{Key: "203.0.113.5", Limit: lim}
 		for i, want := range []int{2, 1, 0} {

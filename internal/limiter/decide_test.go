@@ -227,11 +227,11 @@ func TestWindowEdgeBurst(t *testing.T) {
 	t.Parallel()
 	const max = 10
 	for _, tc := range []struct {
-		sliding bool
-		most    int
-	}{{false, 2 * max}, {true, max + 1}} {
+		algo Algorithm
+		most int
+	}{{FixedWindow, 2 * max}, {SlidingWindow, max + 1}} {
 		s := NewMemoryStore(1000)
-		lim := Limit{Window: time.Minute, Max: max, Sliding: tc.sliding}
+		lim := Limit{Window: time.Minute, Max: max, Algorithm: tc.algo}
 		hit(t, s, "warm", t0, lim) // the key's window starts at t0
 		s.Forget(bg, "warm")
 		hit(t, s, "k", t0, lim)
@@ -244,10 +244,10 @@ func TestWindowEdgeBurst(t *testing.T) {
 				}
 			}
 		}
-		if admitted > tc.most || admitted < max || (!tc.sliding && admitted != 2*max) {
-			t.Errorf("sliding %t: %d admitted across the edge, want %d to %d", tc.sliding, admitted, max, tc.most)
+		if admitted > tc.most || admitted < max || (!lim.Sliding() && admitted != 2*max) {
+			t.Errorf("sliding %t: %d admitted across the edge, want %d to %d", lim.Sliding(), admitted, max, tc.most)
 		}
-		t.Logf("sliding %t: %d admitted in the 2 s around the window edge (max %d)", tc.sliding, admitted, max)
+		t.Logf("sliding %t: %d admitted in the 2 s around the window edge (max %d)", lim.Sliding(), admitted, max)
 	}
 }
 
@@ -256,7 +256,7 @@ func TestWindowEdgeBurst(t *testing.T) {
 func TestSlidingWindowSteady(t *testing.T) {
 	t.Parallel()
 	s := NewMemoryStore(1000)
-	lim := Limit{Window: 10 * time.Second, Max: 10, Sliding: true}
+	lim := Limit{Window: 10 * time.Second, Max: 10, Algorithm: SlidingWindow}
 	rng := rand.New(rand.NewPCG(1, 2))
 	admittedAt := []time.Duration{}
 	now := time.Duration(0)
@@ -322,7 +322,7 @@ func TestRedisSlidingWindow(t *testing.T) {
 	srv := redistest.Start(t)
 	s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{})
 	const window = 600 * time.Millisecond
-	lim := Limit{Window: window, Max: 3, Sliding: true}
+	lim := Limit{Window: window, Max: 3, Algorithm: SlidingWindow}
 	s.SetLimits([]Check{{Limit: lim}})
 	start := time.Now()
 	for i := range 3 {

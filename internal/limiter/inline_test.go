@@ -190,8 +190,8 @@ func TestMemoryStoreShortAndLongKeysAlike(t *testing.T) {
 	short, long := NewMemoryStore(1000), NewMemoryStore(1000)
 	limits := []Limit{
 		{Window: 10 * time.Second, Max: 3},
-		{Window: 10 * time.Second, Max: 4, Sliding: true},
-		{Window: 10 * time.Second, Max: 5, GCRA: true, Burst: 2},
+		{Window: 10 * time.Second, Max: 4, Algorithm: SlidingWindow},
+		{Window: 10 * time.Second, Max: 5, Algorithm: GCRA, Burst: 2},
 		{Window: 10 * time.Second, Max: 2, Ban: 30 * time.Second, BanMax: 2 * time.Minute},
 	}
 	r := rand.New(rand.NewPCG(3, 5))

@@ -27,16 +27,9 @@ type Limit struct {
 	// RedisStore.CutWindows). Zero: such a window ends a Window after the
 	// key's next request at the latest.
 	Since time.Time
-	// Sliding selects the sliding-window counter: the previous window's
-	// count, weighted by how much of it a window ending now would still
-	// overlap, plus the current window's count, must stay within Max. False
-	// is the fixed window.
-	Sliding bool
-	// GCRA selects the generic cell rate algorithm, a token bucket kept
-	// as one timestamp per key (its theoretical arrival time): Max
-	// requests per Window as a steady rate, one every Window/Max, with
-	// bursts of up to Burst. It takes precedence over Sliding.
-	GCRA bool
+	// Algorithm is how the limit counts: FixedWindow (the zero value),
+	// SlidingWindow or GCRA.
+	Algorithm Algorithm
 	// Burst is, for GCRA, how many requests a key with a full bucket may
 	// send at once. 0 means Max.
 	Burst int
@@ -192,6 +185,30 @@ type KeyState struct {
 	BannedUntil time.Time
 }
 
+// Algorithm is how a Limit counts.
+type Algorithm uint8
+
+// The algorithms.
+const (
+	// FixedWindow counts each window's requests from zero.
+	FixedWindow Algorithm = iota
+	// SlidingWindow is the sliding-window counter: the previous window's
+	// count, weighted by how much of it a window ending now would still
+	// overlap, plus the current window's count, must stay within Max.
+	SlidingWindow
+	// GCRA is the generic cell rate algorithm, a token bucket kept as one
+	// timestamp per key (its theoretical arrival time): Max requests per
+	// Window as a steady rate, one every Window/Max, with bursts of up to
+	// Burst.
+	GCRA
+)
+
+// Sliding reports whether l is a sliding window.
+func (l Limit) Sliding() bool { return l.Algorithm == SlidingWindow }
+
+// GCRA reports whether l is a GCRA bucket.
+func (l Limit) GCRA() bool { return l.Algorithm == GCRA }
+
 // Store keeps the per-key counters of one zone: what every store does.
 // What only a store shared by a fleet does is in Fleet and Syncer.
 // Implementations are safe for concurrent use.
@@ -300,13 +317,13 @@ func (l Limit) Weigh(ks KeyState, now time.Time) (float64, bool) {
 	if ks.BannedUntil.After(now) {
 		return float64(max(ks.Count, l.Max)), true
 	}
-	if l.GCRA {
+	if l.GCRA() {
 		// The bucket is empty at Reset, the key's theoretical arrival
 		// time: what it holds is the time to it in intervals.
 		held := float64(ks.Reset.Sub(now)) / float64(l.interval())
 		return max(held, 0), held+1 > float64(l.burst())
 	}
-	if !l.Sliding {
+	if !l.Sliding() {
 		return float64(ks.Count), ks.Count >= l.Max
 	}
 	est := l.sliding(int64(ks.Prev), int64(ks.Count), ks.Reset.UnixNano(), now.UnixNano())

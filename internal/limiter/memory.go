@@ -149,7 +149,7 @@ func (s *MemoryStore) Configure(st Settings) {
 	s.SetMaxTracked(st.MaxTracked)
 	for _, c := range st.Limits {
 		algo := algoWindow
-		if c.Limit.GCRA {
+		if c.Limit.GCRA() {
 			algo = algoGCRA
 		}
 		s.namesMu.Lock()
@@ -360,12 +360,12 @@ func (s *MemoryStore) judge(sh *memShard, c *Check, e *memEntry, found bool, t i
 	switch {
 	case !found:
 		*e = memEntry{reset: t + int64(c.Limit.Window)}
-		if c.Limit.GCRA {
+		if c.Limit.GCRA() {
 			e.reset = t // a full bucket
-		} else if c.Limit.Sliding {
+		} else if c.Limit.Sliding() {
 			e.span = int32(c.Limit.Window / time.Second)
 		}
-	case !c.Limit.GCRA:
+	case !c.Limit.GCRA():
 		e.roll(t, &c.Limit)
 	}
 	var j judgement
@@ -386,7 +386,7 @@ func (s *MemoryStore) settle(idx uint64, c *Check, e *memEntry, t int64, allowed
 	switch {
 	case allowed:
 		e.spend(t, c)
-		if c.Limit.GCRA {
+		if c.Limit.GCRA() {
 			out.Reset = time.Unix(0, e.reset) // the bucket after this request
 		}
 	case !out.Allowed:
@@ -423,7 +423,7 @@ func (s *MemoryStore) settle(idx uint64, c *Check, e *memEntry, t int64, allowed
 // tracks reports whether a new key's entry is worth keeping: a new key that
 // counted nothing (another limit refused the request) would only take room.
 func tracks(c *Check, e *memEntry, t int64) bool {
-	return e.count > 0 || e.refused > 0 || (c.Limit.GCRA && e.reset > t)
+	return e.count > 0 || e.refused > 0 || (c.Limit.GCRA() && e.reset > t)
 }
 
 // Refund implements Store. It never returns an error.
@@ -438,7 +438,7 @@ func (s *MemoryStore) Refund(_ context.Context, checks []Check, now time.Time, v
 		sh.mu.Lock()
 		if e, at, ok := sh.find(h, c.Slot, c.Key); ok {
 			switch {
-			case c.Limit.GCRA:
+			case c.Limit.GCRA():
 				// Only what has not dripped back yet: the request's
 				// units left in the bucket it left behind.
 				e.reset -= gcraBack(c, verdicts[i], now)

@@ -32,7 +32,7 @@ func (e *memEntry) roll(t int64, l *Limit) {
 		return
 	}
 	w := int64(l.Window)
-	if l.Sliding && t < e.reset+w {
+	if l.Sliding() && t < e.reset+w {
 		e.prev = e.count
 		e.reset += w
 	} else {
@@ -41,7 +41,7 @@ func (e *memEntry) roll(t int64, l *Limit) {
 	}
 	e.count, e.refused = 0, 0
 	e.span = 0
-	if l.Sliding {
+	if l.Sliding() {
 		e.span = int32(l.Window / time.Second)
 	}
 }
@@ -51,10 +51,10 @@ func (e *memEntry) roll(t int64, l *Limit) {
 func (e *memEntry) admits(t int64, c *Check) bool {
 	l := &c.Limit
 	switch {
-	case l.GCRA:
+	case l.GCRA():
 		// A cost over the burst never fits (and would overflow below).
 		return c.cost() <= l.burst() && max(e.reset, t)+c.cost()*l.interval()-t <= l.burst()*l.interval()
-	case l.Sliding:
+	case l.Sliding():
 		return l.sliding(int64(e.prev), int64(e.count), e.reset, t)+float64(c.cost()) <= float64(l.Max)
 	}
 	return int64(e.count)+c.cost() <= int64(l.Max)
@@ -62,7 +62,7 @@ func (e *memEntry) admits(t int64, c *Check) bool {
 
 // spend counts the check's admitted request in the entry.
 func (e *memEntry) spend(t int64, c *Check) {
-	if c.Limit.GCRA {
+	if c.Limit.GCRA() {
 		e.reset = max(e.reset, t) + c.cost()*c.Limit.interval()
 		e.refused = 0
 		return
@@ -73,7 +73,7 @@ func (e *memEntry) spend(t int64, c *Check) {
 // end returns when the entry's window ends; for GCRA, when its bucket is
 // full again.
 func (e *memEntry) end(t int64, l *Limit) int64 {
-	if l.GCRA {
+	if l.GCRA() {
 		return max(e.reset, t)
 	}
 	return e.reset
@@ -83,9 +83,9 @@ func (e *memEntry) end(t int64, l *Limit) int64 {
 func (e *memEntry) remaining(t int64, c *Check) int {
 	l := &c.Limit
 	switch {
-	case l.GCRA:
+	case l.GCRA():
 		return int(max((l.burst()*l.interval()-(max(e.reset, t)-t))/l.interval(), 0))
-	case l.Sliding:
+	case l.Sliding():
 		return int(max(float64(l.Max)-math.Ceil(l.sliding(int64(e.prev), int64(e.count), e.reset, t)), 0))
 	}
 	return int(max(int64(l.Max)-int64(e.count), 0))
@@ -95,12 +95,12 @@ func (e *memEntry) remaining(t int64, c *Check) int {
 func (e *memEntry) wait(t int64, c *Check) time.Duration {
 	l := &c.Limit
 	switch {
-	case l.GCRA:
+	case l.GCRA():
 		if c.cost() > l.burst() {
 			return l.Window // it never fits
 		}
 		return time.Duration(max(max(e.reset, t)+c.cost()*l.interval()-t-l.burst()*l.interval(), 1))
-	case l.Sliding:
+	case l.Sliding():
 		return max(l.slidingWait(int64(e.prev), int64(e.count), e.reset, t, c.cost()), 1)
 	}
 	return time.Duration(e.reset - t)

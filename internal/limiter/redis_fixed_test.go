@@ -185,8 +185,8 @@ func TestRedisDamagedKeysStartAfresh(t *testing.T) {
 	limits := map[string]Limit{
 		"fixed":   {Window: time.Minute, Max: 3},
 		"banning": {Window: time.Minute, Max: 3, Ban: time.Minute},
-		"sliding": {Window: time.Minute, Max: 3, Sliding: true},
-		"gcra":    {Window: time.Minute, Max: 3, GCRA: true, Burst: 3},
+		"sliding": {Window: time.Minute, Max: 3, Algorithm: SlidingWindow},
+		"gcra":    {Window: time.Minute, Max: 3, Algorithm: GCRA, Burst: 3},
 	}
 	damages := []string{"many", "1.5", "05", "-", "99999999999999999999", hashKey}
 	for name, lim := range limits {
@@ -255,15 +255,15 @@ func TestRedisScriptsReloaded(t *testing.T) {
 		t.Run(fmt.Sprint("pipeline=", pipeline), func(t *testing.T) {
 			s, client := newTestRedisStore(t, []string{srv.Addr}, RedisStoreOptions{OnError: OnErrorDeny, Pipeline: pipeline})
 			ctx := context.Background()
-			for _, lim := range []Limit{{Window: time.Minute, Max: 10}, {Window: time.Minute, Max: 10, Sliding: true}} {
-				key := fmt.Sprint("flushed-", lim.Sliding)
+			for _, lim := range []Limit{{Window: time.Minute, Max: 10}, {Window: time.Minute, Max: 10, Algorithm: SlidingWindow}} {
+				key := fmt.Sprint("flushed-", lim.Sliding())
 				for i := range 3 {
 					if err := client.ScriptFlush(ctx).Err(); err != nil {
 						t.Fatal(err)
 					}
 					v, err := s.Hit(ctx, key, time.Now(), lim)
 					if err != nil || v.StoreError || !v.Allowed || v.Remaining != 9-i {
-						t.Fatalf("sliding %t, hit %d after SCRIPT FLUSH: %+v, %v; want admitted with %d remaining", lim.Sliding, i+1, v, err, 9-i)
+						t.Fatalf("sliding %t, hit %d after SCRIPT FLUSH: %+v, %v; want admitted with %d remaining", lim.Sliding(), i+1, v, err, 9-i)
 					}
 				}
 			}

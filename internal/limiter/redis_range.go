@@ -148,16 +148,16 @@ func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now 
 		ks := KeyState{Key: tag, Count: count, Refused: refused, Prev: prev, Name: name}
 		if l, ok := s.limitNamed(name); ok {
 			switch {
-			case l.GCRA:
+			case l.GCRA():
 				// The count key holds the theoretical arrival time; it
 				// expires when the bucket is full again.
 				ks.Count = 0
-			case l.Sliding || outlive:
+			case l.Sliding() || outlive:
 				// A sliding count, and every count in sync mode, outlives
 				// its window by a window, as the next one's previous count
 				// (redis.lua, redis_sync.lua): its window ends a window
 				// before the key does. A ban outlives it too.
-				if !l.Sliding {
+				if !l.Sliding() {
 					ks.Prev = 0
 				}
 				if ttl -= l.Window; ttl <= 0 {

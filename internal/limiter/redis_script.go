@@ -36,7 +36,7 @@ func fixedOne(checks []Check) bool {
 		return false
 	}
 	l := &checks[0].Limit
-	return !l.GCRA && !l.Sliding && l.Ban == 0
+	return !l.GCRA() && !l.Sliding() && l.Ban == 0
 }
 
 // releaseScript gives back what admitted requests spent: a Cluster
@@ -197,7 +197,7 @@ func (s *RedisStore) release(ctx context.Context, checks []Check, groups [][]int
 		for _, j := range idx {
 			c := &checks[j]
 			keys = append(keys, s.base(c.Name, s.tag(c.Key))+"c")
-			if !c.Limit.GCRA {
+			if !c.Limit.GCRA() {
 				args = append(args, c.cost(), 0)
 				continue
 			}
@@ -229,9 +229,9 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		c := &checks[i]
 		mode, burst := 0, 0
 		switch {
-		case c.Limit.GCRA:
+		case c.Limit.GCRA():
 			mode, burst = 2, int(c.Limit.burst())
-		case c.Limit.Sliding:
+		case c.Limit.Sliding():
 			mode = 1
 		}
 		a := args[7*i : 7*i+7]
@@ -275,10 +275,10 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 		}
 		reset := t + int64(left)
 		switch {
-		case c.Limit.GCRA:
+		case c.Limit.GCRA():
 			v.Remaining = int(max(c.Limit.burst()-r[1], 0))
 			v.Reset = replied.Add(left)
-		case c.Limit.Sliding:
+		case c.Limit.Sliding():
 			v.Remaining = int(max(float64(c.Limit.Max)-math.Ceil(c.Limit.sliding(r[4], r[1], reset, t)), 0))
 		}
 		if r[0] == 0 {
@@ -286,7 +286,7 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 			switch {
 			case r[5] > 0:
 				v.RetryAfter = max(time.Duration(r[5])*time.Millisecond, time.Millisecond)
-			case c.Limit.Sliding:
+			case c.Limit.Sliding():
 				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t, c.cost()), time.Millisecond)
 			}
 		}

@@ -308,7 +308,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 		y.len.Add(1)
 		y.prior(e, &c.Limit, ms)
 	}
-	e.bans, e.max, e.sliding = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding
+	e.bans, e.max, e.sliding = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding()
 	switch {
 	case e.window != w:
 		// A reload changed the window: windows of another length.
@@ -377,7 +377,7 @@ func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
 // knows nothing yet of what the others spent).
 func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
 	left := int64(l.Max)
-	if l.Sliding {
+	if l.Sliding() {
 		left -= int64(math.Ceil(e.weighs(ms)))
 	}
 	e.lease, e.leaseUntil, e.budgetFrom, e.asked, e.rounds = 0, 0, 0, 0, 0
@@ -497,7 +497,7 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 	cur := e.fleet + e.mine - e.sent
 	held := float64(cur)
 	prev := e.prevHeld()
-	if l.Sliding {
+	if l.Sliding() {
 		held = l.sliding(prev, cur, reset, t)
 	}
 	v := Verdict{
@@ -507,7 +507,7 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 	}
 	fits := held+float64(cost) <= float64(l.Max)
 	switch {
-	case !fits && l.Sliding:
+	case !fits && l.Sliding():
 		v.RetryAfter = max(l.slidingWait(prev, cur, reset, t, cost), time.Millisecond)
 	case !fits:
 		v.RetryAfter = time.Duration(reset - t)

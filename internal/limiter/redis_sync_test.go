@@ -331,7 +331,7 @@ func TestRedisSyncOutage(t *testing.T) {
 func TestRedisSyncSlidingCost(t *testing.T) {
 	srv := redistest.Start(t)
 	s := manualFleet(t, srv, 1, RedisStoreOptions{})[0]
-	limit := Limit{Window: 2 * time.Second, Max: 10, Sliding: true}
+	limit := Limit{Window: 2 * time.Second, Max: 10, Algorithm: SlidingWindow}
 	untilWindowStarts(limit.Window, 1500*time.Millisecond)
 	decide := func(cost int) Verdict {
 		var out [1]Verdict
