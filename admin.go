@@ -401,22 +401,6 @@ func parseQuery(raw string, allowed ...string) (map[string]string, error) {
 	return params, nil
 }
 
-// zonePolicy is one policy of a zone (a named rule: the handler's first,
-// named after the zone, or a limit block) as the zone keeps it and the
-// admin API shows it.
-type zonePolicy struct {
-	name      string // as shown: the zone's name for the first policy
-	storeName string // as the store keys it: "" for the first policy
-	slot      int
-	limit     limiter.Limit // its quota: max per window, and how it counts
-}
-
-// limits returns the limits of the config that last named the zone, the
-// first first.
-func (z *zone) limits() []zonePolicy {
-	return z.newest().limits
-}
-
 // allowMethod returns a 405 error, with the Allow header set, unless the
 // request's method is method.
 func allowMethod(w http.ResponseWriter, r *http.Request, method string) error {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -248,23 +247,6 @@ func (z *zone) hold(s zoneSettings) zoneHold {
 	return zoneHold{id: h.id, limits: s.limits, cuts: cuts}
 }
 
-// settings returns what the zone runs with while rl is its newest holder
-// (the slots and window starts are the zone's to give: see zone.hold).
-func (rl *RateLimit) settings() zoneSettings {
-	s := zoneSettings{
-		enabled:    rl.isEnabled(),
-		maxTracked: rl.MaxTracked,
-		gcInterval: time.Duration(rl.GCInterval),
-	}
-	for _, p := range rl.policies {
-		s.limits = append(s.limits, zonePolicy{name: p.name, storeName: p.check.Name, limit: p.check.Limit})
-	}
-	if rl.Store.isRedis() {
-		s.timeout, s.onError = time.Duration(rl.Store.Timeout), rl.Store.OnError
-	}
-	return s
-}
-
 // slotFor returns the slot of the memory store that counts the limit
 // stored under name: the slot it had, or a free one, or one that no holder
 // (nor s, the settings being held) uses any more. The first limit ("") is
@@ -388,17 +370,6 @@ func (z *zone) refusalCounter(limit string) *atomic.Uint64 {
 	return c.(*atomic.Uint64)
 }
 
-// poolKey is the zone's key in zones: its name, and for a Redis zone what
-// identifies its counters (connection, key prefix, key hashing, sync), so that a
-// reload pointing the zone at another store builds a new zone instead of
-// keeping the old store.
-func (rl *RateLimit) poolKey() string {
-	if rl.Store.isRedis() {
-		return rl.Zone + "\x00" + rl.Store.identity
-	}
-	return rl.Zone
-}
-
 // loadZones records, for each config being loaded, the settings every zone
 // was given, so that two handlers of one config, in one server or in two,
 // cannot name the same zone with different settings. An entry goes when the
@@ -425,17 +396,3 @@ func claimZone(ctx context.Context, load any, zone, settings string) error {
 
 // Interface guards
 var _ caddy.Destructor = (*zone)(nil)
-
-// sharedSettings describes the settings handlers naming one zone must share.
-func (rl *RateLimit) sharedSettings() string {
-	limits := make([]string, len(rl.Limits))
-	for i, l := range rl.Limits {
-		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.abuse(rl.AbuseControls).shared()
-	}
-	algorithm := rl.Algorithm
-	if algorithm == "" {
-		algorithm = AlgorithmFixed
-	}
-	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t dry_run=%t store=%s",
-		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.DryRun, rl.Store.describe())
-}
