@@ -18,6 +18,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
@@ -326,7 +327,7 @@ func (rl *RateLimit) settle(r *http.Request, rec *statusRecorder, err error, d *
 		}
 	}
 	if k > 0 {
-		if rerr := rl.zone.store.Refund(r.Context(), d.refund[:k], time.Now(), d.refundOut[:k]); rerr != nil {
+		if rerr := rl.zone.store.Refund(r.Context(), d.refund[:k], rl.zone.clock.Now(), d.refundOut[:k]); rerr != nil {
 			rl.logger.Warn("giving back a request that does not count", zap.String("zone", rl.Zone), zap.Error(rerr))
 		}
 	}
@@ -386,14 +387,14 @@ func (rl *RateLimit) delayed(r *http.Request, d *decision, n int, now *time.Time
 	defer rl.waitRoom.leave(key)
 	// A little past the wait: Redis gives it in whole milliseconds,
 	// rounded down, and waking a moment early refuses the request anew.
-	t := time.NewTimer(wait + 2*time.Millisecond)
+	t := rl.zone.clock.NewTimer(wait + 2*time.Millisecond)
 	select {
 	case <-r.Context().Done():
 		t.Stop()
 		return false, errClientGone
-	case <-t.C:
+	case <-t.C():
 	}
-	*now = time.Now()
+	*now = rl.zone.clock.Now()
 	if err := rl.zone.store.Decide(r.Context(), d.checks[:n], *now, d.out[:n]); err != nil {
 		return false, err
 	}
@@ -439,6 +440,7 @@ type inFlight struct {
 	mu      sync.Mutex
 	flights map[string]*flight  // by limit name and key
 	ban     func(limiter.Check) // starts the ban of a violation that stands
+	clock   clock.Clock         // the zone's
 }
 
 // flight is the requests in flight of one key in one limit.
@@ -451,7 +453,7 @@ type flight struct {
 type violation struct {
 	check   limiter.Check // the refusing limit and key
 	counted bool          // a request in flight settled counted since
-	timer   *time.Timer   // the refusing window's end: the violation stands
+	timer   clock.Timer   // the refusing window's end: the violation stands
 }
 
 // flightKey is the key of limit name and client key in inFlight.flights.
@@ -484,7 +486,7 @@ func (f *inFlight) violate(name string, c limiter.Check, end time.Time) {
 		return
 	}
 	v := &violation{check: c}
-	v.timer = time.AfterFunc(time.Until(end), func() { f.expire(k, v) })
+	v.timer = f.clock.AfterFunc(end.Sub(f.clock.Now()), func() { f.expire(k, v) })
 	fl.pending = v
 }
 
@@ -579,7 +581,7 @@ func (rl *RateLimit) startBan(c limiter.Check) {
 	if name == "" {
 		name = rl.Zone // the first limit is named after the zone
 	}
-	until, err := rl.zone.store.Ban(context.Background(), c, time.Now())
+	until, err := rl.zone.store.Ban(context.Background(), c, rl.zone.clock.Now())
 	if err != nil {
 		rl.logger.Warn("starting the ban of a violation that stood once the key's requests settled",
 			zap.String("zone", rl.Zone), zap.String("limit", name), zap.String("key", c.Key), zap.Error(err))

@@ -9,6 +9,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
@@ -57,7 +58,8 @@ func TestStatusRanges(t *testing.T) {
 func TestInFlightViolation(t *testing.T) {
 	t.Parallel()
 	c := limiter.Check{Key: "203.0.113.8", Limit: limiter.Limit{Window: time.Minute, Max: 5, Ban: time.Minute}}
-	later := time.Now().Add(time.Hour)
+	clk := clock.NewFake(time.Now())
+	later := clk.Now().Add(time.Hour)
 	for _, tc := range []struct {
 		name    string
 		counted []bool // how each of the two requests in flight settles
@@ -69,7 +71,7 @@ func TestInFlightViolation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var bans atomic.Int64
-			f := &inFlight{flights: map[string]*flight{}, ban: func(limiter.Check) { bans.Add(1) }}
+			f := &inFlight{flights: map[string]*flight{}, ban: func(limiter.Check) { bans.Add(1) }, clock: clk}
 			f.enter("", c.Key)
 			f.enter("", c.Key)
 			if n := f.enter("", c.Key); n != 3 {
@@ -91,11 +93,12 @@ func TestInFlightViolation(t *testing.T) {
 	}
 	t.Run("window ends in flight", func(t *testing.T) {
 		banned := make(chan limiter.Check, 2)
-		f := &inFlight{flights: map[string]*flight{}, ban: func(c limiter.Check) { banned <- c }}
+		f := &inFlight{flights: map[string]*flight{}, ban: func(c limiter.Check) { banned <- c }, clock: clk}
 		f.enter("", c.Key)
 		f.enter("", c.Key)
-		f.violate("", c, time.Now().Add(10*time.Millisecond))
+		f.violate("", c, clk.Now().Add(time.Minute))
 		f.leave("", c.Key, false)
+		clk.Advance(time.Minute) // the window ends with a request in flight
 		select {
 		case got := <-banned:
 			if got.Key != c.Key {

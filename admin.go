@@ -8,7 +8,6 @@ import (
 	"net/url"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -140,7 +139,7 @@ func (AdminAPI) handleZone(w http.ResponseWriter, r *http.Request, name string) 
 	if z == nil {
 		return apiError(http.StatusNotFound, fmt.Errorf("unknown rate limit zone %q", name))
 	}
-	list, err := z.list(r.Context(), q, time.Now())
+	list, err := z.list(r.Context(), q, z.clock.Now())
 	var aerr caddy.APIError
 	if errors.As(err, &aerr) {
 		return err

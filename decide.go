@@ -62,7 +62,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		rl.enterInFlight(d, n)
 		defer rl.leaveInFlight(d, n)
 	}
-	now := time.Now()
+	now := rl.zone.clock.Now()
 	if err := rl.zone.store.Decide(ctx, checks[:n], now, out[:n]); err != nil {
 		return rl.undecided(w, r, err)
 	}

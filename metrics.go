@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -118,7 +117,7 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 			}
 			ch <- prometheus.MustNewConstMetric(storeHealthyDesc, prometheus.GaugeValue, healthy, z.name)
 		}
-		if st, ok := z.syncStats(time.Now()); ok {
+		if st, ok := z.syncStats(z.clock.Now()); ok {
 			counter := func(d *prometheus.Desc, v uint64) {
 				ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), z.name)
 			}

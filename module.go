@@ -17,6 +17,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
@@ -390,13 +391,17 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 	z, _, err := zones.LoadOrNew(rl.poolKey(), func() (caddy.Destructor, error) {
-		store, kind, closeStore := rl.Store.newStore(rl.Zone, rl.MaxTracked, rl.logger)
-		return newZone(rl.Zone, kind, store, closeStore, rl.settings()), nil
+		clk := clock.For(rl.Zone)
+		store, kind, closeStore := rl.Store.newStore(rl.Zone, rl.MaxTracked, clk, rl.logger)
+		return newZone(rl.Zone, kind, store, closeStore, clk, rl.settings()), nil
 	})
 	if err != nil {
 		return fmt.Errorf("loading zone %q: %w", rl.Zone, err)
 	}
 	rl.zone = z.(*zone)
+	if rl.inFlight != nil {
+		rl.inFlight.clock = rl.zone.clock
+	}
 	held := rl.zone.hold(rl.settings())
 	for i := range rl.policies {
 		rl.policies[i].check.Slot = held.limits[i].slot

@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"go.uber.org/zap"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
@@ -15,11 +16,12 @@ const (
 // newStore builds the store that keeps zone's counters, as sc selects it (a
 // nil sc is the memory store): the store, its kind as the admin API names
 // it, and what lets go of what it shares with other zones (nil for none).
-// It is the one place that picks a concrete store.
-func (sc *StoreConfig) newStore(zone string, maxTracked int, logger *zap.Logger) (limiter.Store, string, func() error) {
+// It is the one place that picks a concrete store. The store reads clk,
+// the zone's clock.
+func (sc *StoreConfig) newStore(zone string, maxTracked int, clk clock.Clock, logger *zap.Logger) (limiter.Store, string, func() error) {
 	if sc.isRedis() {
-		s, closeStore := sc.newRedisStore(zone, maxTracked, logger)
+		s, closeStore := sc.newRedisStore(zone, maxTracked, clk, logger)
 		return s, StoreRedis, closeStore
 	}
-	return limiter.NewMemoryStore(maxTracked), StoreMemory, nil
+	return limiter.NewMemoryStoreClock(maxTracked, clk), StoreMemory, nil
 }

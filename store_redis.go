@@ -21,6 +21,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
@@ -444,7 +445,7 @@ func releaseRedisClient(connKey string) error {
 // newRedisStore builds the Redis store of zone: its counters under the key
 // prefix and the zone's name, through the client shared by every zone of
 // the same connection config, which the returned func lets go of.
-func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Logger) (limiter.Store, func() error) {
+func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, clk clock.Clock, logger *zap.Logger) (limiter.Store, func() error) {
 	client, warm := loadRedisClient(sc)
 	opts := limiter.RedisStoreOptions{
 		Client:      client,
@@ -457,6 +458,7 @@ func (sc *StoreConfig) newRedisStore(zone string, maxTracked int, logger *zap.Lo
 		Sync:        time.Duration(sc.Sync),
 		SyncSpend:   sc.SyncSpend,
 		SyncTimeout: time.Duration(sc.SyncTimeout),
+		Clock:       clk,
 	}
 	var rs limiter.Store
 	if opts.Sync > 0 {

@@ -141,13 +141,13 @@ func (rl *RateLimit) keepLease(fleet limiter.Fleet, l limiter.Lease) (stop func(
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		tick := time.NewTicker(ttl / 3)
+		tick := rl.zone.clock.NewTicker(ttl / 3)
 		defer tick.Stop()
 		for {
 			select {
 			case <-ctx.Done():
 				return
-			case <-tick.C:
+			case <-tick.C():
 				lost, err := fleet.RenewLease(ctx, l, ttl)
 				switch {
 				case err != nil && ctx.Err() == nil:

@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
@@ -65,6 +66,9 @@ type zone struct {
 	// ws counts the open WebSocket connections per key, for
 	// ws_max_connections_per_ip.
 	ws wsConns
+
+	// clock is the time the zone's handlers and store read (clock.For).
+	clock clock.Clock
 
 	cancel context.CancelFunc
 }
@@ -184,11 +188,11 @@ func (s zoneSettings) limit(name string) (limiter.Limit, bool) {
 var zoneSeq atomic.Uint64
 
 // newZone builds a zone named name around store (of kind storeKind, let go
-// of with closeStore), running with s until a handler holds it, and starts
-// the store's background work.
-func newZone(name, storeKind string, store limiter.Store, closeStore func() error, s zoneSettings) *zone {
+// of with closeStore), reading clk, running with s until a handler holds
+// it, and starts the store's background work.
+func newZone(name, storeKind string, store limiter.Store, closeStore func() error, clk clock.Clock, s zoneSettings) *zone {
 	ctx, cancel := context.WithCancel(context.Background())
-	z := &zone{name: name, seq: zoneSeq.Add(1), store: store, storeKind: storeKind, closeStore: closeStore, cancel: cancel}
+	z := &zone{name: name, seq: zoneSeq.Add(1), store: store, storeKind: storeKind, closeStore: closeStore, clock: clk, cancel: cancel}
 	z.apply(s)
 	go store.Run(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
 	return z
@@ -222,14 +226,14 @@ func (z *zone) hold(s zoneSettings) zoneHold {
 		case prev.Window == l.limit.Window:
 			l.limit.Since = prev.Since
 		case l.limit.Window > prev.Window:
-			l.limit.Since = time.Now()
+			l.limit.Since = z.clock.Now()
 		default:
 			// A shorter window: every running window ends a new window
 			// from now at the latest. A store of this process is cut at
 			// once; a shared one (Redis, shared with other instances and
 			// with any "caddy validate" run) when the handler serves its
 			// first request, so a config that never runs cuts nothing.
-			l.limit.Since = time.Now()
+			l.limit.Since = z.clock.Now()
 			cut := windowCut{limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}, l.limit.Since.Add(l.limit.Window)}
 			if _, shared := z.fleet(); !shared {
 				_ = z.store.CutWindows(context.Background(), cut.check, cut.cutoff) // a memory store's never fails

@@ -68,7 +68,7 @@ func (z *zone) info(ctx context.Context) ZoneInfo {
 		HashedKeys:           z.store.HashedKeys(),
 		SpoofableKey:         z.spoofableKey(),
 	}
-	if st, ok := z.syncStats(time.Now()); ok {
+	if st, ok := z.syncStats(z.clock.Now()); ok {
 		zi.Sync = &SyncInfo{
 			Interval:      st.Interval.String(),
 			Spend:         st.Spend,
@@ -103,5 +103,5 @@ func (z *zone) trackedKeys(ctx context.Context, zi *ZoneInfo) {
 	defer cancel()
 	c := fleet.CountKeys(ctx)
 	zi.TrackedKeys, zi.TrackedKeysPartial = c.N, c.Partial
-	zi.TrackedKeysAgeSeconds = int64(max(time.Since(c.At), 0) / time.Second)
+	zi.TrackedKeysAgeSeconds = int64(max(z.clock.Now().Sub(c.At), 0) / time.Second)
 }

@@ -35,11 +35,17 @@ func forEachStore(t *testing.T, fn func(t *testing.T, name, store string)) {
 }
 
 // awaitSync waits, for a zone in sync mode, until its last decisions have
-// reached Redis, where its listing reads them: two intervals of 100ms and
-// some slack.
-func awaitSync(name string) {
-	if name == "redis-sync" {
-		time.Sleep(300 * time.Millisecond)
+// reached Redis, where its listing reads them: until two more rounds have
+// gone out (the first may have started before them).
+func awaitSync(t *testing.T, name, zone string) {
+	t.Helper()
+	if name != "redis-sync" {
+		return
+	}
+	rounds := series("sync_round_trips_total", zone, "")
+	from := scrape(t, zone)[rounds]
+	if !eventuallyAcross(func() bool { return scrape(t, zone)[rounds] >= from+2 }) {
+		t.Fatalf("zone %s: no two sync rounds after %v", zone, from)
 	}
 }
 
@@ -127,7 +133,7 @@ func TestCountStatusAbandonedCounts(t *testing.T) {
 		}
 		// Settled a moment after the backend: what the abandoned requests
 		// spent stays spent.
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		for deadline := time.Now().Add(300 * time.Millisecond); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 			if got := listingOf(t, zone)[zone+"/198.51.100.60"]; got != "3 3" {
 				t.Fatalf("listing %q, want count 3 and 3 refused (nothing given back)", got)
@@ -149,7 +155,7 @@ func TestCountStatusAbandonedCounts(t *testing.T) {
 			if !eventually(func() bool { return done.Load() == int64(i+1) }) {
 				t.Fatalf("backend finished %d streamed requests, want %d", done.Load(), i+1)
 			}
-			if !eventually(func() bool { l := listingOf(t, zone)[zone+"/198.51.100.61"]; return l == "" || l == "0 0" }) {
+			if !eventuallyAcross(func() bool { l := listingOf(t, zone)[zone+"/198.51.100.61"]; return l == "" || l == "0 0" }) {
 				t.Fatalf("after streamed request %d the key is listed as %q, want its unit given back", i+1, listingOf(t, zone)[zone+"/198.51.100.61"])
 			}
 		}
@@ -220,7 +226,7 @@ func TestBanWaitsForRequestsInFlight(t *testing.T) {
 					t.Fatalf("%s: refusal while a request is held: Retry-After %d, want the window's (no ban yet)", tc.ip, ra)
 				}
 			}
-			awaitSync(name)
+			awaitSync(t, name, zone)
 			if b := bannedUntil(t, zone, zone, tc.ip); b != 0 {
 				t.Fatalf("%s: banned until %d while its request is held, want no ban yet", tc.ip, b)
 			}
@@ -229,7 +235,7 @@ func TestBanWaitsForRequestsInFlight(t *testing.T) {
 				t.Fatalf("%s: held request answered %d, want %d", tc.ip, got, tc.status)
 			}
 			if tc.banned {
-				if !eventually(func() bool { return bannedUntil(t, zone, zone, tc.ip) > time.Now().Unix()+500 }) {
+				if !eventuallyAcross(func() bool { return bannedUntil(t, zone, zone, tc.ip) > time.Now().Unix()+500 }) {
 					t.Fatalf("%s: listed banned until %d once the held 401 settled, want about 10 minutes from now", tc.ip, bannedUntil(t, zone, zone, tc.ip))
 				}
 				resp := get("/fast?status=401")
@@ -240,10 +246,10 @@ func TestBanWaitsForRequestsInFlight(t *testing.T) {
 				continue
 			}
 			// Given back: two counted, the violation lapsed.
-			if !eventually(func() bool { return listingOf(t, zone)[zone+"/"+tc.ip] == "2 3" }) {
+			if !eventuallyAcross(func() bool { return listingOf(t, zone)[zone+"/"+tc.ip] == "2 3" }) {
 				t.Fatalf("%s: listed %q once the held 200 settled, want 2 counted and 3 refused", tc.ip, listingOf(t, zone)[zone+"/"+tc.ip])
 			}
-			awaitSync(name)
+			awaitSync(t, name, zone)
 			if b := bannedUntil(t, zone, zone, tc.ip); b != 0 {
 				t.Fatalf("%s: banned until %d after the held request gave its unit back, want no ban", tc.ip, b)
 			}
@@ -276,11 +282,11 @@ func TestDryRunWritesNoBan(t *testing.T) {
 				t.Fatalf("dry-run request %d: %d, want 200", i+1, resp.StatusCode)
 			}
 		}
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b != 0 {
 			t.Fatalf("a dry run listed the key banned until %d, want no ban", b)
 		}
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		wantListing(t, zone, map[string]string{zone + "/198.51.100.80": "2 3"})
 		got := scrape(t, zone)
 		if n := got[series("dry_run_bans_total", zone, "")]; n != 1 {
@@ -291,9 +297,9 @@ func TestDryRunWritesNoBan(t *testing.T) {
 		}
 		// Live now: the counts carried over; no ban was waiting.
 		s.reload(trustLoopback, fmt.Sprintf(site, zone, "", store))
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		wantListing(t, zone, map[string]string{zone + "/198.51.100.80": "2 3"})
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b != 0 {
 			t.Fatalf("after the reload the key is banned until %d, want no ban", b)
 		}
@@ -308,7 +314,7 @@ func TestDryRunWritesNoBan(t *testing.T) {
 					i+1, resp.StatusCode, resp.Header.Get("Retry-After"))
 			}
 		}
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		if b := bannedUntil(t, zone, zone, "198.51.100.80"); b < time.Now().Add(590*time.Second).Unix() {
 			t.Fatalf("after its first live refusal the key is banned until %d, want 10 minutes from now", b)
 		}
@@ -348,11 +354,11 @@ func TestSharedBucketsNeverBanned(t *testing.T) {
 		if fmt.Sprint(codes) != "[200 200 200 429 429]" {
 			t.Fatalf("five clients without a tenant: %v, want [200 200 200 429 429]", codes)
 		}
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		if b := bannedUntil(t, zone, "tenant", "missing:anon"); b != 0 {
 			t.Fatalf("the missing bucket is banned until %d, want never", b)
 		}
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		wantListing(t, zone, map[string]string{"tenant/missing:anon": "3 2"})
 		// An unrelated client without a tenant: refused by the count
 		// until the window ends, not by a ban.
@@ -363,7 +369,7 @@ func TestSharedBucketsNeverBanned(t *testing.T) {
 		}
 		// A client naming the tenant "anon" has a bucket of its own.
 		wantStatus(t, request(t, s.Base, "/", "X-Forwarded-For", "198.51.100.98", "X-Tenant", "anon"), http.StatusOK)
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		wantListing(t, zone, map[string]string{"tenant/key:anon": "1 0"})
 
 		// Team blue over its limit: refused, never banned.
@@ -374,7 +380,7 @@ func TestSharedBucketsNeverBanned(t *testing.T) {
 				t.Fatalf("team request %d: Retry-After %d, want at most the window (ban off)", i+1, ra)
 			}
 		}
-		awaitSync(name)
+		awaitSync(t, name, zone)
 		if b := bannedUntil(t, zone, "team", "key:blue"); b != 0 {
 			t.Fatalf("team blue, with ban off, is banned until %d", b)
 		}

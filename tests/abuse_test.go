@@ -85,9 +85,10 @@ func TestCountStatusLogin(t *testing.T) {
 // reach the backend 3 times, not 20.
 func TestCountStatusConcurrent(t *testing.T) {
 	var reached atomic.Int64
+	release := make(chan struct{})
 	backend := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		reached.Add(1)
-		time.Sleep(300 * time.Millisecond)
+		<-release // held until every request has its verdict
 		w.WriteHeader(http.StatusUnauthorized)
 	}))
 	defer backend.Close()
@@ -103,13 +104,21 @@ func TestCountStatusConcurrent(t *testing.T) {
 }`, backend.Listener.Addr()))
 	var wg sync.WaitGroup
 	var statuses sync.Map
+	var answered atomic.Int64
 	for range 20 {
 		wg.Go(func() {
 			resp := request(t, s.Base, "/", "X-Forwarded-For", "198.51.100.3")
 			n, _ := statuses.LoadOrStore(resp.StatusCode, new(atomic.Int64))
 			n.(*atomic.Int64).Add(1)
+			answered.Add(1)
 		})
 	}
+	// Every request but those the backend holds is answered while the
+	// three hold their units.
+	if !eventually(func() bool { return answered.Load()+reached.Load() >= 20 }) {
+		t.Errorf("%d answered and %d at the backend, want 20 in all", answered.Load(), reached.Load())
+	}
+	close(release)
 	wg.Wait()
 	got := map[any]int64{}
 	statuses.Range(func(k, v any) bool { got[k] = v.(*atomic.Int64).Load(); return true })
@@ -242,6 +251,7 @@ func TestCost(t *testing.T) {
 
 // gcra admits its burst, then one request per interval.
 func TestGCRA(t *testing.T) {
+	clk := fakeClock(t, "e2e-gcra")
 	s := startCaddy(t, trustLoopback, `
 :$PORT {
 	rate_limit {
@@ -263,15 +273,17 @@ func TestGCRA(t *testing.T) {
 	resp := get()
 	wantStatus(t, resp, http.StatusTooManyRequests)
 	wantHeader(t, resp, "Retry-After", "1") // 200ms, rounded up
-	time.Sleep(220 * time.Millisecond)      // one interval (1s / 5)
+	clk.Advance(200 * time.Millisecond)     // one interval (1s / 5)
 	wantStatus(t, get(), http.StatusOK)
 	wantStatus(t, get(), http.StatusTooManyRequests)
 }
 
 // delay turns a would-be 429 into a late 200; a key waits at most
 // delay_per_key requests at once; a client that goes away while waiting
-// spends nothing.
+// spends nothing. The zone's clock is the test's: a request waits until
+// the test moves it.
 func TestDelay(t *testing.T) {
+	clk := fakeClock(t, "e2e-delay")
 	s := startCaddy(t, trustLoopback, `
 :$PORT {
 	rate_limit {
@@ -283,32 +295,37 @@ func TestDelay(t *testing.T) {
 	}
 	respond "ok"
 }`)
-	get := func(c *http.Client) (*http.Response, time.Duration, error) {
+	get := func(c *http.Client) (*http.Response, error) {
 		req, _ := http.NewRequest(http.MethodGet, s.Base+"/", nil)
 		req.Header.Set("X-Forwarded-For", "198.51.100.6")
-		start := time.Now()
 		resp, err := c.Do(req)
 		if err == nil {
 			resp.Body.Close()
 		}
-		return resp, time.Since(start), err
+		return resp, err
 	}
-	// Start just after a window edge, so that the waits below are long.
-	resp, _, _ := get(client)
+	// waiting reports whether a request waits for the window's end.
+	waiting := func() bool { return clk.Pending(2*time.Second) > 0 }
+	resp, _ := get(client)
 	wantStatus(t, resp, http.StatusOK)
 	var wg sync.WaitGroup
 	var late *http.Response
-	var lateTook time.Duration
-	wg.Go(func() { late, lateTook, _ = get(client) })
-	time.Sleep(100 * time.Millisecond)
-	// The key's one waiting place is taken: refused at once.
-	resp, took, err := get(client)
-	if err != nil || resp.StatusCode != http.StatusTooManyRequests || took > 500*time.Millisecond {
-		t.Fatalf("second waiting request: %v %v after %s, want a 429 at once", resp, err, took)
+	var lateErr error
+	wg.Go(func() { late, lateErr = get(client) })
+	if !eventually(waiting) {
+		t.Fatal("the second request does not wait")
 	}
+	// The key's one waiting place is taken: refused at once.
+	resp, err := get(client)
+	if err != nil || resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("second waiting request: %v %v, want a 429 at once", resp, err)
+	}
+	// The window ends (and the moment the wait adds to it passes): the
+	// waiting request goes through.
+	clk.Advance(1100 * time.Millisecond)
 	wg.Wait()
-	if late.StatusCode != http.StatusOK || lateTook < 300*time.Millisecond {
-		t.Fatalf("delayed request: %d after %s, want a late 200", late.StatusCode, lateTook)
+	if lateErr != nil || late.StatusCode != http.StatusOK {
+		t.Fatalf("delayed request: %v %v, want a late 200", late, lateErr)
 	}
 	m := scrape(t, "e2e-delay")
 	if m[series("requests_total", "e2e-delay", "delayed")] != 1 || m[series("requests_total", "e2e-delay", "limited")] != 1 {
@@ -316,18 +333,19 @@ func TestDelay(t *testing.T) {
 	}
 	// A client that gives up while waiting spends nothing: the next window
 	// is whole for the request after it.
-	waitWindowOver(t, "e2e-delay", "e2e-delay/198.51.100.6") // the late request's window ends
-	resp, _, _ = get(client)
+	clk.Advance(1100 * time.Millisecond) // the late request's window ends
+	resp, _ = get(client)
 	wantStatus(t, resp, http.StatusOK)
 	impatient := &http.Client{Timeout: 200 * time.Millisecond}
-	if _, _, err := get(impatient); err == nil {
+	if _, err := get(impatient); err == nil {
 		t.Fatal("the impatient client got an answer while the window was spent")
 	}
-	waitWindowOver(t, "e2e-delay", "e2e-delay/198.51.100.6")
-	resp, took, _ = get(client)
-	if resp.StatusCode != http.StatusOK || took > 300*time.Millisecond {
-		t.Fatalf("request after the impatient one gave up: %d after %s, want a 200 at once (the impatient one spent nothing)", resp.StatusCode, took)
+	if !eventually(func() bool { return !waiting() }) {
+		t.Fatal("the impatient client's request still waits after it went away")
 	}
+	clk.Advance(1100 * time.Millisecond)
+	resp, _ = get(client)
+	wantStatus(t, resp, http.StatusOK) // the impatient one spent nothing
 }
 
 // Each limit may count its own statuses, on a Redis zone too: failures

@@ -58,8 +58,9 @@ func browser(t *testing.T) context.Context {
 	return ctx
 }
 
-// waitJS evaluates the boolean expression js in the page until it holds,
-// failing the test after 15 s with what the page shows.
+// waitJS evaluates the boolean expression js in the page (a browser's
+// process) until it holds, failing the test after 15 s with what the page
+// shows.
 func waitJS(t *testing.T, ctx context.Context, js, what string) {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
@@ -73,7 +74,7 @@ func waitJS(t *testing.T, ctx context.Context, js, what string) {
 			text, _ := chromedp.Run(ctx, chromedp.Evaluate[string](`document.body.innerText`))
 			t.Fatalf("the page never showed %s (last error: %v); it shows:\n%s", what, err, text)
 		}
-		time.Sleep(200 * time.Millisecond)
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 

@@ -207,7 +207,10 @@ func TestSentinelFailover(t *testing.T) {
 		mu.Unlock()
 		return h
 	}
-	time.Sleep(300 * time.Millisecond)
+	// The traffic flows before the master dies.
+	if !eventuallyAcross(func() bool { mu.Lock(); defer mu.Unlock(); return statuses[http.StatusOK] >= 10 }) {
+		t.Fatalf("before the failover: statuses %v, want 10 answered", statuses)
+	}
 	if h := health(); h != limiterHealthy {
 		t.Fatalf("before the failover: health %q", h)
 	}
@@ -224,7 +227,7 @@ func TestSentinelFailover(t *testing.T) {
 		if time.Since(killed) > 30*time.Second {
 			t.Fatalf("no failover within 30 s: health went %v", healths)
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond)
 	}
 	t.Logf("healthy again %s after the master died (health %v)", time.Since(killed).Round(100*time.Millisecond), healths)
 
@@ -233,8 +236,8 @@ func TestSentinelFailover(t *testing.T) {
 	defer rc.Close()
 	key := "caddy_rate_limit:" + zone + ":{key:c0}:c"
 	before, _ := rc.Get(context.Background(), key).Int()
-	time.Sleep(500 * time.Millisecond)
-	after, _ := rc.Get(context.Background(), key).Int()
+	after := before
+	eventuallyAcross(func() bool { after, _ = rc.Get(context.Background(), key).Int(); return after > before })
 	close(stop)
 	wg.Wait()
 	info, _ := rc.Info(context.Background(), "replication").Result()
@@ -248,5 +251,9 @@ func TestSentinelFailover(t *testing.T) {
 	}
 }
 
-// limiterHealthy is the health a zone reports while Redis answers.
-const limiterHealthy = "HEALTHY"
+// The health a zone reports while Redis answers, and after it failed
+// repeatedly.
+const (
+	limiterHealthy  = "HEALTHY"
+	limiterDegraded = "DEGRADED"
+)

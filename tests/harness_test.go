@@ -18,6 +18,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 
 	_ "github.com/caddy-rate-limit/caddy-rate-limit"
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 )
 
 // adminPort is the in-process Caddy's admin endpoint. It is picked free at
@@ -137,13 +138,21 @@ func wantHeader(t *testing.T, resp *http.Response, name, want string) {
 	}
 }
 
-// eventually polls cond every 10ms for up to 5s and reports whether it
-// held: for what Caddy does after the client has its answer, and for a
-// window that must end in real time. Every test waits this way, never by
-// a fixed sleep: the deadline is far above the wait on an idle machine, so
-// a loaded one is slow, not wrong.
-func eventually(cond func() bool) bool {
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+// eventually polls cond every 10ms for up to 2s and reports whether it
+// held: for what this process's Caddy does after the client has its
+// answer. A window or a ban is waited for by moving the zone's clock
+// (fakeClock), never by a fixed sleep.
+func eventually(cond func() bool) bool { return pollFor(2*time.Second, cond) }
+
+// eventuallyAcross is eventually for what happens across processes: in
+// Redis (a window on Redis's clock, a sync round, a failover) or in
+// another Caddy. The deadline is far above the wait on an idle machine,
+// so a loaded one is slow, not wrong.
+func eventuallyAcross(cond func() bool) bool { return pollFor(10*time.Second, cond) }
+
+// pollFor polls cond every 10ms for up to d and reports whether it held.
+func pollFor(d time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		if cond() {
 			return true
 		}
@@ -152,10 +161,10 @@ func eventually(cond func() bool) bool {
 }
 
 // waitWindowOver waits until the zone's listing counts nothing for key
-// ("policy/key", as listingOf names it): its window has ended. The key must
-// be counted when it is called, so that a misnamed key cannot make the wait
-// pass at once; it fails the test if the window still counts after
-// eventually's deadline.
+// ("policy/key", as listingOf names it): its window, on Redis's clock, has
+// ended. The key must be counted when it is called, so that a misnamed key
+// cannot make the wait pass at once; it fails the test if the window still
+// counts after eventuallyAcross's deadline.
 func waitWindowOver(t *testing.T, zone, key string) {
 	t.Helper()
 	counted := func() string { return listingOf(t, zone)[key] }
@@ -163,9 +172,22 @@ func waitWindowOver(t *testing.T, zone, key string) {
 		t.Fatalf("%s in zone %s is not counted (%q), so there is no window to wait out", key, zone, l)
 	}
 	over := func() bool { l := counted(); return l == "" || strings.HasPrefix(l, "0 ") }
-	if !eventually(over) {
-		t.Fatalf("the window of %s in zone %s still counts %q 5s on", key, zone, counted())
+	if !eventuallyAcross(over) {
+		t.Fatalf("the window of %s in zone %s still counts %q 10s on", key, zone, counted())
 	}
+}
+
+// fakeClock returns a fake clock, reading the time now, that the zones
+// named zones read once Caddy creates them in this test: the test moves
+// their time (Advance) instead of waiting for it. For memory zones: a
+// Redis zone's windows follow Redis's clock.
+func fakeClock(t *testing.T, zones ...string) *clock.Fake {
+	t.Helper()
+	c := clock.NewFake(time.Now())
+	for _, z := range zones {
+		t.Cleanup(clock.Use(z, c))
+	}
+	return c
 }
 
 // zoneRuns numbers the zones fresh names.

@@ -310,7 +310,7 @@ func TestRedisMetricsStoreHealth(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("redis restarted 10s ago, store_healthy still %v (zone %v)", m[healthy], zoneSummary(t, zone))
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond)
 	}
 	t.Logf("store_healthy back to 1 %s after redis restarted", time.Since(start).Round(time.Millisecond))
 	if h := zoneSummary(t, zone)["health"]; h != "HEALTHY" {

@@ -216,7 +216,7 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 
 	// Load: 24 clients, each its own key, cycling over the three zones.
 	ctx, stopLoad := context.WithCancel(context.Background())
-	var slowest atomic.Int64
+	var slowest, answered atomic.Int64
 	var bad sync.Map // unexpected status → mode
 	var wg sync.WaitGroup
 	for c := range 24 {
@@ -224,6 +224,7 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 			for i := 0; ctx.Err() == nil; i++ {
 				mode := modes[(c+i)%3]
 				r := do(mode, fmt.Sprintf("load-%d-%d", c, i/30))
+				answered.Add(1)
 				for {
 					old := slowest.Load()
 					if int64(r.elapsed) <= old || slowest.CompareAndSwap(old, int64(r.elapsed)) {
@@ -239,9 +240,18 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 			}
 		})
 	}
-	time.Sleep(300 * time.Millisecond)
+	// Redis dies under load, and the load goes on until every zone has
+	// seen it fail (DEGRADED).
+	if !eventuallyAcross(func() bool { return answered.Load() >= 100 }) {
+		t.Fatalf("%d answers before redis was stopped, want 100", answered.Load())
+	}
 	srv.Stop()
-	time.Sleep(700 * time.Millisecond)
+	for _, mode := range modes {
+		zone := "redis_kill_" + mode
+		if !eventuallyAcross(func() bool { return zoneSummary(t, zone)["health"] == limiterDegraded }) {
+			t.Fatalf("%s: health %v with redis down, want %s", zone, zoneSummary(t, zone)["health"], limiterDegraded)
+		}
+	}
 
 	// With Redis down, fresh keys see each mode's behaviour.
 	for i := 1; i <= 7; i++ {
@@ -289,7 +299,7 @@ func TestRedisKilledUnderLoad(t *testing.T) {
 			if time.Now().After(deadline) {
 				t.Fatalf("%s: redis restarted 10s ago but the zone still does not decide through it (status %d, counted in redis %t)", mode, r.status, counted)
 			}
-			time.Sleep(100 * time.Millisecond)
+			time.Sleep(20 * time.Millisecond)
 		}
 	}
 }

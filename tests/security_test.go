@@ -383,7 +383,7 @@ func TestShortenedWindowEndsAtOnce(t *testing.T) {
 		}
 		return len(admitted) == len(paths)
 	}
-	if !eventually(comesBack) {
+	if !eventuallyAcross(comesBack) {
 		t.Fatalf("admitted %v %s after the reload to a 1s window, want both", admitted, time.Since(reloaded).Round(time.Millisecond))
 	}
 }

@@ -169,7 +169,7 @@ func TestSyncStaggeredStart(t *testing.T) {
 		t.Errorf("sync all admitted %d: want from %d to %d", all, maxN, 4*maxN)
 	}
 	// The last counts reach Redis at the instances' next syncs.
-	if !eventually(func() bool { return redisCount(t, rdb, "e2e-join-share", "hammered") == share }) {
+	if !eventuallyAcross(func() bool { return redisCount(t, rdb, "e2e-join-share", "hammered") == share }) {
 		t.Errorf("Redis holds %d, the fleet admitted %d", redisCount(t, rdb, "e2e-join-share", "hammered"), share)
 	}
 }
@@ -199,7 +199,7 @@ func TestSyncRestartEmptyBound(t *testing.T) {
 	time.Sleep(2 * time.Second) // more than a lease's length of learning
 	close(stop)
 	wg.Wait()
-	eventually(func() bool { return redisCount(t, rdb, "e2e-sync-restart-bound", "restarted") == admitted.Load() })
+	eventuallyAcross(func() bool { return redisCount(t, rdb, "e2e-sync-restart-bound", "restarted") == admitted.Load() })
 	got := redisCount(t, rdb, "e2e-sync-restart-bound", "restarted")
 	t.Logf("admitted %d before the restart, %d in the window of max %d; Redis holds %d", before, admitted.Load(), maxN, got)
 	if a := admitted.Load(); before == 0 || before >= maxN || a < maxN || a > maxN*5/4 {

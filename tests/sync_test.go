@@ -350,10 +350,10 @@ func TestSyncRedisRestart(t *testing.T) {
 	}
 	time.Sleep(time.Second)
 	srv.Stop()
-	degraded := eventually(func() bool { return zoneHealth(t, zone) == "DEGRADED" })
+	degraded := eventuallyAcross(func() bool { return zoneHealth(t, zone) == "DEGRADED" })
 	time.Sleep(500 * time.Millisecond)
 	srv.Restart()
-	healthy := eventually(func() bool { return zoneHealth(t, zone) == "HEALTHY" })
+	healthy := eventuallyAcross(func() bool { return zoneHealth(t, zone) == "HEALTHY" })
 	time.Sleep(500 * time.Millisecond)
 	close(stop)
 	wg.Wait()

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 )
 
 // MemoryStore is the in-process Store: fixed or sliding windows in a sharded
@@ -25,6 +27,7 @@ import (
 // decisions never deadlock and each is atomic. The zero value is not
 // usable; call NewMemoryStore. A MemoryStore is safe for concurrent use.
 type MemoryStore struct {
+	clock      clock.Clock // the sweeper's
 	seed       maphash.Seed
 	shards     []memShard
 	mask       uint64
@@ -104,8 +107,12 @@ const numShards = 64
 // NewMemoryStore returns a MemoryStore that tracks at most maxTracked keys
 // (at least 1), give or take the number of keys being inserted at the same
 // instant.
-func NewMemoryStore(maxTracked int) *MemoryStore {
+func NewMemoryStore(maxTracked int) *MemoryStore { return NewMemoryStoreClock(maxTracked, clock.Real) }
+
+// NewMemoryStoreClock is NewMemoryStore with a sweeper that reads clk.
+func NewMemoryStoreClock(maxTracked int, clk clock.Clock) *MemoryStore {
 	s := &MemoryStore{
+		clock:      clk,
 		seed:       maphash.MakeSeed(),
 		shards:     make([]memShard, numShards),
 		mask:       numShards - 1,

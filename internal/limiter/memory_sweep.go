@@ -72,15 +72,15 @@ func (s *MemoryStore) Run(ctx context.Context, interval func() time.Duration) {
 // meanwhile (a trim does not put the sweep off). It reports false when ctx
 // ended first.
 func (s *MemoryStore) sweepAfter(ctx context.Context, d time.Duration) bool {
-	timer := time.NewTimer(d)
+	timer := s.clock.NewTimer(d)
 	defer timer.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return false
 		case <-s.trimWake:
-			s.Trim(ctx, time.Now())
-		case now := <-timer.C:
+			s.Trim(ctx, s.clock.Now())
+		case now := <-timer.C():
 			s.Sweep(now)
 			return true
 		}

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -65,6 +66,10 @@ type RedisStoreOptions struct {
 	// decision's Timeout: a round of thousands of keys on a busy host
 	// takes longer than one decision. Default: DefaultSyncTimeout.
 	SyncTimeout time.Duration
+	// Clock is the time the store reads outside Redis (the sync rounds
+	// and table, probes, counts; the decisions take theirs from the
+	// caller). Default: clock.Real.
+	Clock clock.Clock
 }
 
 // redisCore is what the exact store (RedisStore) and the sync store
@@ -84,6 +89,7 @@ type redisCore struct {
 	used    chan struct{}           // closed at the first decision or unblock
 	useOnce sync.Once
 	logger  *zap.Logger
+	clock   clock.Clock
 
 	state      atomic.Int32
 	streak     atomic.Int32 // consecutive failures when healthy, successes when recovering
@@ -124,11 +130,14 @@ func (s *redisCore) init(opts *RedisStoreOptions, owner redisOwner) {
 	if opts.Warmup == nil {
 		opts.Warmup = NewWarmup(opts.Client)
 	}
-	s.client, s.warm, s.owner = opts.Client, opts.Warmup, owner
+	if opts.Clock == nil {
+		opts.Clock = clock.Real
+	}
+	s.client, s.warm, s.owner, s.clock = opts.Client, opts.Warmup, owner, opts.Clock
 	s.prefix, s.hashKey, s.logger = opts.Prefix, opts.HashKey, opts.Logger
 	s.wake, s.used = make(chan struct{}, 1), make(chan struct{})
 	s.probeEvery = defaultProbeEvery
-	s.counts.init()
+	s.counts.init(s.clock)
 	s.SetTimeout(opts.Timeout)
 	s.SetOnError(opts.OnError)
 }

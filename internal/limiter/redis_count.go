@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"go.uber.org/zap"
 )
 
@@ -48,9 +49,10 @@ type keyCounter struct {
 	failing bool          // the last count failed: its error is logged once per streak
 	seen    atomic.Int64  // keys the count under way has found so far
 	ask     chan struct{} // a count wanted, for Run to start
+	clock   clock.Clock
 }
 
-func (c *keyCounter) init() { c.ask = make(chan struct{}, 1) }
+func (c *keyCounter) init(clk clock.Clock) { c.ask, c.clock = make(chan struct{}, 1), clk }
 
 // result is what a reader gets: the last finished count, or a partial one.
 // The caller holds c.mu.
@@ -62,7 +64,7 @@ func (c *keyCounter) result() KeyCount {
 	if c.running != nil {
 		n = max(n, int(c.seen.Load()))
 	}
-	return KeyCount{N: n, At: time.Now(), Partial: true}
+	return KeyCount{N: n, At: c.clock.Now(), Partial: true}
 }
 
 // CountKeys returns the number of the zone's keys in Redis, the keys Range
@@ -78,7 +80,7 @@ func (c *keyCounter) result() KeyCount {
 func (s *redisCore) CountKeys(ctx context.Context) KeyCount {
 	c := &s.counts
 	c.mu.Lock()
-	if c.running == nil && time.Now().Before(c.next) {
+	if c.running == nil && c.clock.Now().Before(c.next) {
 		defer c.mu.Unlock()
 		return c.result()
 	}
@@ -105,11 +107,11 @@ func (s *redisCore) CountKeys(ctx context.Context) KeyCount {
 // and records the result.
 func (s *redisCore) count(ctx context.Context) {
 	c := &s.counts
-	start := time.Now()
+	start := s.clock.Now()
 	cctx, cancel := context.WithTimeout(ctx, countBudget)
 	err := s.owner.Range(cctx, start, func(KeyState) bool { c.seen.Add(1); return true })
 	cancel()
-	end := time.Now()
+	end := s.clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	n := int(c.seen.Load())

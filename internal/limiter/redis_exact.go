@@ -252,7 +252,7 @@ func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	s.run(ctx, func(ctx context.Context) {
 		fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 		defer cancel()
-		if err := s.flushRefused(fctx, time.Now()); err != nil {
+		if err := s.flushRefused(fctx, s.clock.Now()); err != nil {
 			s.logger.Debug("adding cached refusals to redis", zap.Error(err))
 		}
 	})
@@ -307,7 +307,7 @@ func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) 
 				name, _, ok := s.parseKey(k)
 				return !ok || name != c.Name
 			})
-			ms := time.Until(cutoff).Milliseconds()
+			ms := cutoff.Sub(s.clock.Now()).Milliseconds()
 			pipe := node.Pipeline()
 			for _, k := range keys {
 				if ms <= 0 {
@@ -355,7 +355,7 @@ func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 // decision of each key goes to Redis, which is never stale.
 func (s *RedisStore) subscribed(ctx context.Context) {
 	fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
-	_ = s.flushRefused(fctx, time.Now())
+	_ = s.flushRefused(fctx, s.clock.Now())
 	cancel()
 	s.refused.forgetFunc(func(string) bool { return true })
 }

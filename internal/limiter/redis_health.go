@@ -113,9 +113,9 @@ func (s *redisCore) run(ctx context.Context, flush func(ctx context.Context)) {
 	}()
 	var tick <-chan time.Time
 	if flush != nil {
-		t := time.NewTicker(refusedFlushEvery)
+		t := s.clock.NewTicker(refusedFlushEvery)
 		defer t.Stop()
-		tick = t.C
+		tick = t.C()
 	}
 	for {
 		select {
@@ -141,13 +141,13 @@ func (s *redisCore) Degraded() bool { return s.state.Load() == stateDegraded }
 // probe runs probeOnce every probeEvery until the store is healthy or ctx
 // is done.
 func (s *redisCore) probe(ctx context.Context) {
-	timer := time.NewTimer(s.probeEvery)
+	timer := s.clock.NewTimer(s.probeEvery)
 	defer timer.Stop()
 	for s.state.Load() != stateHealthy {
 		select {
 		case <-ctx.Done():
 			return
-		case <-timer.C:
+		case <-timer.C():
 		}
 		// A probe keeps no request waiting, so it may take longer than a
 		// decision: after a restart it must dial (and maybe handshake TLS

@@ -75,7 +75,8 @@ const deadlineSlices = 64
 // starting within a 64th of the timeout share one instead. It does not
 // carry the request's cancellation: a request cancelled before its
 // decision starts is not decided, one cancelled meanwhile is decided all
-// the same, by its deadline at the latest.
+// the same, by its deadline at the latest. A deadline on the network is
+// on the real clock, not the store's.
 func (s *RedisStore) decisionCtx() context.Context {
 	now, timeout := time.Now(), s.timeout.Load()
 	if d := s.deadline.Load(); d != nil && now.Before(d.renew) && d.timeout == timeout {
@@ -262,7 +263,7 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 	// A bucket's times count from when Redis ran the script, after now:
 	// from the reply, they are late rather than early, so that a refund
 	// (gcraBack) never leaves a sliver of the request behind.
-	replied := time.Now()
+	replied := s.clock.Now()
 	for i := range checks {
 		c := &checks[i]
 		r := res[7*i : 7*i+7]

@@ -128,7 +128,7 @@ func (s *SyncStore) forgetSync(name string, tags []string) {
 // probeOnce implements redisOwner: one round of the sync script for the
 // probe key, through the client the rounds use.
 func (s *SyncStore) probeOnce(ctx context.Context) error {
-	ms := time.Now().UnixMilli()
+	ms := s.clock.Now().UnixMilli()
 	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "c")},
 		ms, s.table.id, ms, 0, 1, 0, 0, fmt.Sprintf("%d 1000 0 -1 0 0 %d 0 0 0 0 -1", (ms/1000+1)*1000, 1<<30)).Err()
 }
@@ -436,10 +436,10 @@ func (s *SyncStore) Decide(ctx context.Context, checks []Check, now time.Time, o
 	select {
 	case <-y.ready:
 	default:
-		t := time.NewTimer(time.Duration(s.timeout.Load()))
+		t := s.clock.NewTimer(time.Duration(s.timeout.Load()))
 		select {
 		case <-y.ready:
-		case <-t.C:
+		case <-t.C():
 			y.setReady() // the decisions after this one wait no more
 		case <-ctx.Done():
 		}

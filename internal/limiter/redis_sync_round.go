@@ -94,26 +94,26 @@ func (s *SyncStore) runSync(ctx context.Context) {
 		return
 	case <-s.used:
 	}
-	y.started.Store(time.Now().UnixNano())
-	tick := time.NewTicker(y.interval)
+	y.started.Store(s.clock.Now().UnixNano())
+	tick := s.clock.NewTicker(y.interval)
 	defer tick.Stop()
-	swept := time.Now()
+	swept := s.clock.Now()
 	for {
-		start := time.Now()
+		start := s.clock.Now()
 		y.next.Store(start.Add(y.interval).UnixNano())
 		y.trim()
 		if s.state.Load() != stateDegraded {
 			s.syncRound(ctx, start)
 		}
 		y.setReady()
-		if now := time.Now(); now.Sub(swept) >= syncSweepEvery {
+		if now := s.clock.Now(); now.Sub(swept) >= syncSweepEvery {
 			y.sweep(now.UnixMilli())
 			swept = now
 		}
 		select {
 		case <-ctx.Done():
 			return
-		case <-tick.C:
+		case <-tick.C():
 		}
 	}
 }

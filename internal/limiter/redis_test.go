@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
@@ -763,8 +764,14 @@ func TestRedisStoreRangeForget(t *testing.T) {
 // address is built without error and fails only when used.
 func TestRedisStoreLazy(t *testing.T) {
 	ln := redistest.Listen(t) // takes connections and drops them: not Redis
-	s, _ := newTestRedisStore(t, []string{ln.Addr}, RedisStoreOptions{OnError: OnErrorDeny})
-	time.Sleep(200 * time.Millisecond)
+	clk := clock.NewFake(time.Now())
+	s, _ := newTestRedisStore(t, []string{ln.Addr}, RedisStoreOptions{OnError: OnErrorDeny, Clock: clk})
+	// Every timer of the store's background work fires: the flushes, the
+	// probes, the counts. Nothing of it connects.
+	for range 10 {
+		clk.Advance(refusedFlushEvery)
+		time.Sleep(5 * time.Millisecond) // each firing's goroutine runs
+	}
 	if n := ln.Accepted(); n != 0 {
 		t.Fatalf("%d connections before any decision, want none", n)
 	}

@@ -3,7 +3,6 @@ package limiter
 import (
 	"context"
 	"strings"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -43,7 +42,7 @@ func (s *redisCore) listen(ctx context.Context) {
 			select { // the next Receive reconnects; do not spin while Redis is away
 			case <-ctx.Done():
 				return
-			case <-time.After(s.probeEvery):
+			case <-s.clock.NewTimer(s.probeEvery).C():
 			}
 			continue
 		}
