@@ -41,8 +41,9 @@ func newSimFleet(t *testing.T, srv *redistest.Server, n int, opts RedisStoreOpti
 	if opts.Timeout == 0 {
 		opts.Timeout = testTimeout
 	}
-	untilWindowStarts(24*time.Hour, 2*time.Minute)
-	f := &simFleet{t: t, opts: opts, addr: srv.Addr, now: time.Now()}
+	// The simulated day starts at a window's start, within half a day of
+	// Redis's clock, which expires the keys (see alignedClock).
+	f := &simFleet{t: t, opts: opts, addr: srv.Addr, now: alignedClock(24 * time.Hour).Now()}
 	f.next = f.now
 	for range n {
 		f.join()

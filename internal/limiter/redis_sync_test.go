@@ -12,6 +12,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
@@ -30,22 +31,38 @@ func syncFleet(t *testing.T, addrs []string, n int, opts RedisStoreOptions) []*S
 	return fleet
 }
 
-// untilWindowStarts waits, when less than need is left of the window of
-// length w in progress, for the next one: windows are aligned to the clock
-// in sync mode.
-func untilWindowStarts(w, need time.Duration) {
-	left := w - time.Duration(time.Now().UnixNano()%int64(w))
-	if left < need {
-		time.Sleep(left + 5*time.Millisecond)
+// alignedClock returns a clock that runs with the real one, set so that
+// the window of w in progress (sync windows are aligned to the clock) has
+// just begun: a test has all of it, and of any longer window that w
+// divides at least w. It is off the real clock by at most w/2, so that
+// Redis, which expires keys on its own clock, sees the same window of
+// every key (redis_sync.lua tells windows apart by that).
+func alignedClock(w time.Duration) clock.Clock {
+	into := time.Duration(time.Now().UnixNano() % int64(w))
+	offset := -into
+	if into > w/2 {
+		offset = w - into
 	}
+	return offsetClock{offset}
+}
+
+// offsetClock is the real clock, off by a fixed duration.
+type offsetClock struct{ by time.Duration }
+
+func (c offsetClock) Now() time.Time                       { return time.Now().Add(c.by) }
+func (offsetClock) NewTimer(d time.Duration) clock.Timer   { return clock.Real.NewTimer(d) }
+func (offsetClock) NewTicker(d time.Duration) clock.Ticker { return clock.Real.NewTicker(d) }
+func (offsetClock) AfterFunc(d time.Duration, f func()) clock.Timer {
+	return clock.Real.AfterFunc(d, f)
 }
 
 // waitSynced waits until every store of the fleet has had a round that
-// started after from.
-func waitSynced(t *testing.T, fleet []*SyncStore, from time.Time) {
+// started after now (by its clock).
+func waitSynced(t *testing.T, fleet []*SyncStore) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for _, s := range fleet {
+		from := s.clock.Now()
 		for s.table.lastOK.Load() <= from.UnixNano() {
 			if time.Now().After(deadline) {
 				t.Fatal("the fleet did not sync within 10s")
@@ -63,11 +80,11 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 	for _, n := range []int{2, 4} {
 		for _, spend := range []string{SyncAll, SyncShare} {
 			t.Run(fmt.Sprintf("%d instances, %s", n, spend), func(t *testing.T) {
-				fleet := syncFleet(t, []string{srv.Addr}, n, RedisStoreOptions{Sync: 100 * time.Millisecond, SyncSpend: spend})
 				limit := Limit{Window: 10 * time.Second, Max: 100}
-				untilWindowStarts(limit.Window, 2*time.Second)
-				waitSynced(t, fleet, time.Now())
-				waitSynced(t, fleet, time.Now())
+				clk := alignedClock(limit.Window)
+				fleet := syncFleet(t, []string{srv.Addr}, n, RedisStoreOptions{Sync: 100 * time.Millisecond, SyncSpend: spend, Clock: clk})
+				waitSynced(t, fleet)
+				waitSynced(t, fleet)
 				var admitted atomic.Int64
 				var wg sync.WaitGroup
 				stop := time.Now().Add(time.Second)
@@ -75,7 +92,7 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 					for range 2 {
 						wg.Go(func() {
 							for time.Now().Before(stop) {
-								v, err := s.Hit(context.Background(), "hammered", time.Now(), limit)
+								v, err := s.Hit(context.Background(), "hammered", clk.Now(), limit)
 								if err != nil {
 									t.Error(err)
 									return
@@ -89,7 +106,7 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 					}
 				}
 				wg.Wait()
-				waitSynced(t, fleet, time.Now())
+				waitSynced(t, fleet)
 				got, err := fleet[0].client.Get(context.Background(), fleet[0].base("", "hammered")+"c").Int64()
 				if err != nil {
 					t.Fatal(err)
@@ -155,7 +172,7 @@ func listeningSync(t testing.TB, s *SyncStore) {
 // round runs one sync round of each store, in order.
 func round(fleet ...*SyncStore) {
 	for _, s := range fleet {
-		s.syncRound(context.Background(), time.Now())
+		s.syncRound(context.Background(), s.clock.Now())
 	}
 }
 
@@ -174,7 +191,7 @@ func admit(t *testing.T, s *SyncStore, key string, limit Limit, n int) int {
 	t.Helper()
 	ok := 0
 	for range n {
-		v, err := s.Hit(context.Background(), key, time.Now(), limit)
+		v, err := s.Hit(context.Background(), key, s.clock.Now(), limit)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -189,11 +206,10 @@ func admit(t *testing.T, s *SyncStore, key string, limit Limit, n int) int {
 // count brings the key back. A refund is a lower count.
 func TestRedisSyncUnblockAndRefund(t *testing.T) {
 	srv := redistest.Start(t)
-	fleet := manualFleet(t, srv, 2, RedisStoreOptions{SyncSpend: SyncAll})
+	limit := Limit{Window: time.Minute, Max: 10}
+	fleet := manualFleet(t, srv, 2, RedisStoreOptions{SyncSpend: SyncAll, Clock: alignedClock(limit.Window)})
 	a, b := fleet[0], fleet[1]
 	listeningSync(t, b)
-	limit := Limit{Window: time.Minute, Max: 10}
-	untilWindowStarts(limit.Window, 5*time.Second)
 	if got := admit(t, a, "u", limit, 3) + admit(t, b, "u", limit, 2); got != 5 {
 		t.Fatalf("admitted %d of 5", got)
 	}
@@ -217,12 +233,12 @@ func TestRedisSyncUnblockAndRefund(t *testing.T) {
 	// A refund gives back a unit of the window it was admitted in.
 	var out [1]Verdict
 	checks := []Check{{Key: "r", Limit: limit}}
-	if err := a.Decide(context.Background(), checks, time.Now(), out[:]); err != nil || !out[0].Allowed {
+	if err := a.Decide(context.Background(), checks, a.clock.Now(), out[:]); err != nil || !out[0].Allowed {
 		t.Fatalf("decide: %+v %v", out[0], err)
 	}
 	admit(t, a, "r", limit, 2)
 	round(a)
-	if err := a.Refund(context.Background(), checks, time.Now(), out[:]); err != nil {
+	if err := a.Refund(context.Background(), checks, a.clock.Now(), out[:]); err != nil {
 		t.Fatal(err)
 	}
 	round(a)
@@ -235,10 +251,9 @@ func TestRedisSyncUnblockAndRefund(t *testing.T) {
 // after the key reaches it.
 func TestRedisSyncBanSpreads(t *testing.T) {
 	srv := redistest.Start(t)
-	fleet := manualFleet(t, srv, 2, RedisStoreOptions{})
-	a, b := fleet[0], fleet[1]
 	limit := Limit{Window: time.Minute, Max: 2, Ban: time.Hour}
-	untilWindowStarts(limit.Window, 5*time.Second)
+	fleet := manualFleet(t, srv, 2, RedisStoreOptions{Clock: alignedClock(limit.Window)})
+	a, b := fleet[0], fleet[1]
 	// The instance of the lower id has the spare share of a new key
 	// (half of the 2): the other waits for its round's lease.
 	if got := admit(t, b, "x", limit, 1); got == 0 {
@@ -261,7 +276,7 @@ func TestRedisSyncBanSpreads(t *testing.T) {
 	admit(t, b, "x", limit, 1)
 	round(b)
 	for name, s := range map[string]*SyncStore{"a": a, "b": b} {
-		v, err := s.Hit(context.Background(), "x", time.Now(), limit)
+		v, err := s.Hit(context.Background(), "x", s.clock.Now(), limit)
 		if err != nil || v.Allowed || v.RetryAfter < 59*time.Minute {
 			t.Errorf("%s after the rounds: %+v %v, want a refusal for the hour's ban", name, v, err)
 		}
@@ -274,10 +289,9 @@ func TestRedisSyncBanSpreads(t *testing.T) {
 // those sent before the restart too.
 func TestRedisSyncOutage(t *testing.T) {
 	srv := redistest.StartReal(t, "the test stops and restarts the server")
-	fleet := manualFleet(t, srv, 1, RedisStoreOptions{MaxTracked: 10, SyncSpend: SyncAll, Timeout: time.Second})
-	s := fleet[0]
 	limit := Limit{Window: time.Minute, Max: 10}
-	untilWindowStarts(limit.Window, 10*time.Second)
+	fleet := manualFleet(t, srv, 1, RedisStoreOptions{MaxTracked: 10, SyncSpend: SyncAll, Timeout: time.Second, Clock: alignedClock(limit.Window)})
+	s := fleet[0]
 	admit(t, s, "sent", limit, 4)
 	round(s)
 	// A hung Redis: a decision that waited for it would take the
@@ -330,12 +344,12 @@ func TestRedisSyncOutage(t *testing.T) {
 // Redis holds each window's count where the fleet reads it.
 func TestRedisSyncSlidingCost(t *testing.T) {
 	srv := redistest.Start(t)
-	s := manualFleet(t, srv, 1, RedisStoreOptions{})[0]
-	limit := Limit{Window: 2 * time.Second, Max: 10, Algorithm: SlidingWindow}
-	untilWindowStarts(limit.Window, 1500*time.Millisecond)
+	limit := Limit{Window: time.Second, Max: 10, Algorithm: SlidingWindow}
+	clk := alignedClock(limit.Window)
+	s := manualFleet(t, srv, 1, RedisStoreOptions{Clock: clk})[0]
 	decide := func(cost int) Verdict {
 		var out [1]Verdict
-		if err := s.Decide(context.Background(), []Check{{Key: "s", Limit: limit, Cost: cost}}, time.Now(), out[:]); err != nil {
+		if err := s.Decide(context.Background(), []Check{{Key: "s", Limit: limit, Cost: cost}}, clk.Now(), out[:]); err != nil {
 			t.Fatal(err)
 		}
 		return out[0]
@@ -350,7 +364,8 @@ func TestRedisSyncSlidingCost(t *testing.T) {
 		t.Fatalf("Redis holds %d, want 8", got)
 	}
 	// The next window: the 8 weigh almost fully at its start.
-	time.Sleep(time.Until(time.UnixMilli((time.Now().UnixMilli()/2000 + 1) * 2000)))
+	now := clk.Now()
+	time.Sleep(now.Truncate(limit.Window).Add(limit.Window).Sub(now))
 	if v := decide(1); !v.Allowed {
 		t.Errorf("cost 1 at the next window's start refused: %+v", v)
 	}
@@ -368,16 +383,14 @@ func TestRedisSyncSlidingCost(t *testing.T) {
 // counts in none, and each limit's count reaches Redis under its name.
 func TestRedisSyncSeveralLimits(t *testing.T) {
 	srv := redistest.Start(t)
-	s := manualFleet(t, srv, 1, RedisStoreOptions{})[0]
 	minute := Limit{Window: time.Minute, Max: 10}
 	burst := Limit{Window: 10 * time.Second, Max: 2}
-	untilWindowStarts(minute.Window, 5*time.Second)
-	untilWindowStarts(burst.Window, time.Second)
+	s := manualFleet(t, srv, 1, RedisStoreOptions{Clock: alignedClock(burst.Window)})[0] // the minute has 10s left at least
 	checks := []Check{{Key: "m", Limit: minute}, {Slot: 1, Name: "burst", Key: "m", Limit: burst}}
 	var got []bool
 	for range 4 {
 		var out [2]Verdict
-		if err := s.Decide(context.Background(), checks, time.Now(), out[:]); err != nil {
+		if err := s.Decide(context.Background(), checks, s.clock.Now(), out[:]); err != nil {
 			t.Fatal(err)
 		}
 		got = append(got, out[0].Allowed && out[1].Allowed)
@@ -401,9 +414,8 @@ func TestRedisSyncSeveralLimits(t *testing.T) {
 // unblock by the hash drops the instance's count of the key.
 func TestRedisSyncHashedKeys(t *testing.T) {
 	srv := redistest.Start(t)
-	s := manualFleet(t, srv, 1, RedisStoreOptions{HashKey: []byte("secret")})[0]
 	limit := Limit{Window: time.Minute, Max: 5}
-	untilWindowStarts(limit.Window, 5*time.Second)
+	s := manualFleet(t, srv, 1, RedisStoreOptions{HashKey: []byte("secret"), Clock: alignedClock(limit.Window)})[0]
 	admit(t, s, "203.0.113.7", limit, 3)
 	round(s)
 	ctx := context.Background()
