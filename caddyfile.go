@@ -49,6 +49,12 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			ban     <duration> [escalate [<longest>]] | off
 //			burst   <n>
 //		}]
+//		plan_by     <placeholder>         # names each request's plan: {plan} set by map, a claim
+//		plan <name> {                     # repeatable: the plan's values for the limits (docs/plans.md)
+//			max   <n>|off                 # the handler's own limit; default: its max
+//			burst <n>                     # gcra; default: the limit's
+//			limit <name> <max>|off [burst <n>] # one of the limits above
+//		}
 //		algorithm   fixed|sliding|gcra    # default fixed; gcra: a token bucket
 //		burst       <n>                   # gcra: requests at once from a full bucket; default max
 //		count_status <status>...          # only these responses count: 401, 4xx, 500-599
@@ -82,8 +88,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // store, which takes a block for redis; address and exempt, which take one
 // or more and may repeat; count_status, which takes one or more; ban, which
 // takes one to three; sync, which takes one or two; limit, which takes
-// three and an optional block and may repeat; and tls and dry_run, which take none. windowS takes an integer
-// of seconds only.
+// three and an optional block and may repeat; plan, which takes a name and
+// a block and may repeat; and tls and dry_run, which take none. windowS
+// takes an integer of seconds only.
 func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 	if d.NextArg() {
@@ -92,12 +99,17 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	seen := options{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
-		if opt != "limit" && opt != "exempt" {
+		if opt != "limit" && opt != "exempt" && opt != "plan" {
 			if err := seen.first(d, opt); err != nil {
 				return err
 			}
 		}
 		switch opt {
+		case "plan":
+			if err := rl.unmarshalPlan(d); err != nil {
+				return err
+			}
+			continue
 		case "store":
 			if err := rl.unmarshalStore(d); err != nil {
 				return err
@@ -135,6 +147,8 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		switch opt {
 		case "zone":
 			rl.Zone = val
+		case "plan_by":
+			rl.PlanBy = val
 		case "window":
 			rl.Window, err = parseWindow(d, opt, val, true)
 		case "windowS":
@@ -244,6 +258,86 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 	}
 	rl.Limits = append(rl.Limits, l)
 	return nil
+}
+
+// unmarshalPlan parses "plan <name> { max <n>|off; burst <n>; limit <name>
+// <max>|off [burst <n>] }"; d is at the plan token. The values are checked
+// with the rest of the handler's settings, in one place.
+func (rl *RateLimit) unmarshalPlan(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.Errf("plan takes a name and a block (plan pro { max 1000 }), got none")
+	}
+	name := d.Val()
+	if d.NextArg() {
+		return d.Errf("plan %s takes a block, got %q", name, d.Val())
+	}
+	if _, dup := rl.Plans[name]; dup {
+		return d.Errf("plan %s given twice", name)
+	}
+	var pc PlanConfig
+	seen := options{}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		what := "plan " + name + " " + opt
+		switch opt {
+		case "max", "burst":
+			if err := seen.first(d, opt); err != nil {
+				return err
+			}
+			val, err := oneArg(d, what)
+			if err == nil {
+				err = parsePlanValue(d, what, val, opt == "max", &pc.PlanLimit)
+			}
+			if err != nil {
+				return err
+			}
+		case "limit":
+			args := d.RemainingArgs()
+			if len(args) != 2 && (len(args) != 4 || args[2] != "burst") {
+				return d.Errf("%s takes a limit's name and its max or off, then optionally burst <n> (limit daily 5000), got %q", what, args)
+			}
+			if _, dup := pc.Limits[args[0]]; dup {
+				return d.Errf("%s %s given twice", what, args[0])
+			}
+			var pl PlanLimit
+			what += " " + args[0]
+			if err := parsePlanValue(d, what, args[1], true, &pl); err != nil {
+				return err
+			}
+			if len(args) == 4 {
+				if err := parsePlanValue(d, what+" burst", args[3], false, &pl); err != nil {
+					return err
+				}
+			}
+			if pc.Limits == nil {
+				pc.Limits = map[string]PlanLimit{}
+			}
+			pc.Limits[args[0]] = pl
+		default:
+			return d.Errf("unrecognized plan option %q: want max, burst or limit", opt)
+		}
+	}
+	if rl.Plans == nil {
+		rl.Plans = map[string]PlanConfig{}
+	}
+	rl.Plans[name] = pc
+	return nil
+}
+
+// parsePlanValue parses a plan's max (or, when !isMax, burst) for option
+// what into pl: a whole number, or off for a max.
+func parsePlanValue(d *caddyfile.Dispenser, what, val string, isMax bool, pl *PlanLimit) error {
+	if isMax && val == "off" {
+		pl.Off = true
+		return nil
+	}
+	n, err := parseInt(d, what, val, 1)
+	if isMax {
+		pl.Max = n
+	} else {
+		pl.Burst = n
+	}
+	return err
 }
 
 // parseBan parses "ban <duration> [escalate [<longest>]]"; d is at the ban

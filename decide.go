@@ -27,12 +27,17 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	ipKey := rl.ipKey(ip)
 	checks, of, out := &d.checks, &d.of, &d.out
+	pl := rl.planOf(repl)
 	// Every limit's key first: a limit that rejects a request without its
 	// key wins whatever the order; a limit with no key at all (no client
-	// IP, missing ip) sits this request out.
+	// IP, missing ip), or one the request's plan switches off, sits this
+	// request out.
 	n := 0
-	for i := range rl.policies {
-		p := &rl.policies[i]
+	for i := range pl.policies {
+		p := &pl.policies[i]
+		if p.off {
+			continue
+		}
 		key, err := p.resolve(repl, r.Header, ipKey)
 		if err != nil {
 			rl.zone.count(resultInvalid)
@@ -92,13 +97,14 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	m := constraining(out[:n])
 	v := out[m]
 	key := checks[m].Key
-	bp := &rl.policies[of[m]]
+	bp := &pl.policies[of[m]]
 	reset := bp.resetOf(ceilSeconds(v.Reset.UnixNano()))
 	st := requestVars(vars, repl)
 	text := st.headerText()
-	rl.setHeaders(w.Header(), text, bp, v, reset, now)
+	rl.setHeaders(w.Header(), text, pl, bp, v, reset, now)
 	st.placeholders = placeholders{
 		zone:      rl.policies[0].nameAny, // the first limit is named after the zone
+		plan:      pl.name,
 		policy:    bp.nameAny,
 		key:       key,
 		limit:     bp.maxAny,

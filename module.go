@@ -3,6 +3,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -234,8 +235,27 @@ type RateLimit struct {
 	// Default: 1000.
 	DelayTotal int `json:"delay_total,omitempty"`
 
+	// PlanBy is a placeholder that names the plan of each request, such
+	// as "{http.vars.plan}" set by the map directive from an API key, or
+	// an auth module's claim. A request whose plan is empty or not in
+	// Plans gets the handler's own values (the plan "default"). A request
+	// header lets clients choose their own plan: the handler warns at
+	// load. Required with Plans.
+	PlanBy string `json:"plan_by,omitempty"`
+
+	// Plans are the plans PlanBy chooses from, by name (letters, digits, _
+	// and -, at most 32, other than "default"; at most 1000 plans): each
+	// one's max and burst for the handler's limits, or a limit switched
+	// off. A limit keeps its window in every plan, and a key has one count
+	// whatever its plan. See docs/plans.md.
+	Plans map[string]PlanConfig `json:"plans,omitempty"`
+
 	zone     *zone
-	policies []policy // the first limit, then Limits
+	policies []policy // the first limit, then Limits: the default plan's
+	// defaultPlan is the handler's own values; plans the others, by name
+	// (nil without plans).
+	defaultPlan *plan
+	plans       map[string]*plan
 	// countStatus is set when a limit counts by response status.
 	countStatus bool
 	costWarned  *atomic.Bool // set once a bad cost value has been logged
@@ -244,7 +264,6 @@ type RateLimit struct {
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
-	policyHeader               string // RateLimit-Policy value, formatted once
 	exemptRanges               []netip.Prefix
 	// errLimited is the error of every refusal, built once: a flood of
 	// refused requests formats nothing. The key is in the log line and the
@@ -363,11 +382,8 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		}
 		rl.waitRoom = &waitRoom{byKey: map[string]int{}, perKey: rl.DelayPerKey, cap: rl.DelayTotal}
 	}
-	items := make([]string, len(rl.policies))
-	for i := range rl.policies {
-		items[i] = rl.policies[i].item()
-	}
-	rl.policyHeader = strings.Join(items, ", ")
+	rl.buildPlans()
+	rl.warnClientPlan()
 	rl.legacyHeaders = rl.Headers == HeadersLegacy || rl.Headers == HeadersBoth
 	rl.ietfHeaders = rl.Headers == HeadersIETF || rl.Headers == HeadersBoth
 	rl.errLimited = fmt.Errorf("rate limit exceeded in zone %q", rl.Zone)
@@ -464,8 +480,13 @@ func (rl *RateLimit) sharedSettings() string {
 	if algorithm == "" {
 		algorithm = AlgorithmFixed
 	}
-	return fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t dry_run=%t store=%s",
+	s := fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t dry_run=%t store=%s",
 		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.DryRun, rl.Store.describe())
+	if len(rl.Plans) > 0 {
+		plans, _ := json.Marshal(rl.Plans) // sorted by name
+		s += fmt.Sprintf(" plan_by=%s plans=%s", rl.PlanBy, plans)
+	}
+	return s
 }
 
 // Cleanup lets go of the zone; the last handler to let go of it stops it.

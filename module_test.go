@@ -56,18 +56,27 @@ func BenchmarkServeHTTP(b *testing.B) {
 		// handler ask each request whether it came through a trusted
 		// proxy, which none of these did (proxy.go).
 		server *caddyhttp.Server
+		plans  bool // the request's plan, of three, named by a request header
 	}{
-		{"allowed", MaxRequests, "", false, nil},
-		{"refused", 1, "", false, nil},
-		{"header-key", MaxRequests, "{http.request.header.X-Client}", false, nil},
-		{"disabled", MaxRequests, "", true, nil},
-		{"unproxied", MaxRequests, "", false, &caddyhttp.Server{}},
+		{"allowed", MaxRequests, "", false, nil, false},
+		{"refused", 1, "", false, nil, false},
+		{"header-key", MaxRequests, "{http.request.header.X-Client}", false, nil, false},
+		{"disabled", MaxRequests, "", true, nil, false},
+		{"unproxied", MaxRequests, "", false, &caddyhttp.Server{}, false},
+		{"plans", MaxRequests, "", false, nil, true},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
-			rl, _ := provisionHandlerIn(b, context.WithValue(context.Background(), caddyhttp.ServerCtxKey, tc.server), "bench_"+tc.name, tc.max, !tc.disabled, func(rl *RateLimit) { rl.Key = tc.key })
+			rl, _ := provisionHandlerIn(b, context.WithValue(context.Background(), caddyhttp.ServerCtxKey, tc.server), "bench_"+tc.name, tc.max, !tc.disabled, func(rl *RateLimit) {
+				rl.Key = tc.key
+				if tc.plans {
+					rl.PlanBy = "{http.request.header.X-Plan}"
+					rl.Plans = map[string]PlanConfig{"free": {}, "pro": {PlanLimit: PlanLimit{Max: MaxRequests - 1}}, "partner": {}}
+				}
+			})
 			base := httptest.NewRequest(http.MethodGet, "/", nil)
 			base.RemoteAddr = "203.0.113.9:50000" // a client talking to Caddy directly
 			base.Header.Set("X-Client", "client-12345")
+			base.Header.Set("X-Plan", "pro")
 			w := &headerWriter{h: http.Header{}}
 			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 			b.ReportAllocs()

@@ -94,6 +94,7 @@ type policy struct {
 
 	countStatus []statusRange // responses that count; nil: every one
 	costKey     string        // the cost placeholder; "" for the constant check.Cost
+	off         bool          // the request's plan switches the limit off
 }
 
 // newPolicy builds a limit as the handler runs it.
@@ -104,12 +105,11 @@ func newPolicy(name, storeName string, lim limiter.Limit, key, missing string) p
 		check:   limiter.Check{Name: storeName, Limit: lim},
 		missing: missing,
 		quoted:  strconv.Quote(name),
-		maxStr:  strconv.Itoa(lim.Max),
-		maxAny:  lim.Max,
 		reset:   new(atomic.Pointer[resetText]),
 
 		refusals: new(atomic.Pointer[atomic.Uint64]),
 	}
+	p.setMax(lim.Max)
 	if key != "" && key != "{client_ip}" && key != "{http.vars.client_ip}" {
 		p.key = key
 		p.keyText = caddy.NewEmptyReplacer().ReplaceAll(key, "")
@@ -147,6 +147,11 @@ func (p *policy) resetOf(reset int64) *resetText {
 	r := &resetText{sec: reset, text: strconv.FormatInt(reset, 10), boxed: reset}
 	p.reset.Store(r)
 	return r
+}
+
+// setMax sets the limit's max, and its forms for headers and placeholders.
+func (p *policy) setMax(n int) {
+	p.check.Limit.Max, p.maxStr, p.maxAny = n, strconv.Itoa(n), n
 }
 
 // item is the limit's RateLimit-Policy item.

@@ -20,10 +20,10 @@ import (
 // map for every request (a lock and a map write each, two values boxed) cost
 // more than the decision.
 type placeholders struct {
-	zone, policy, limit, reset any // boxed once per limit
-	key                        string
-	remaining                  int
-	exceeded                   bool
+	zone, plan, policy, limit, reset any // boxed once per limit or plan
+	key                              string
+	remaining                        int
+	exceeded                         bool
 }
 
 // requestState is what the handler keeps for one request: its placeholders
@@ -111,6 +111,8 @@ func (p *placeholders) replace(key string) (any, bool) {
 	switch name {
 	case "zone":
 		return p.zone, true
+	case "plan":
+		return p.plan, true
 	case "policy":
 		return p.policy, true
 	case "key":
@@ -128,10 +130,10 @@ func (p *placeholders) replace(key string) (any, bool) {
 }
 
 // setHeaders sets the quota headers of the configured mode for the limit
-// that binds the request (p, whose verdict is v), with their values in t;
-// reset is v.Reset in Unix seconds, rounded up. RateLimit-Policy lists
-// every limit.
-func (rl *RateLimit) setHeaders(h http.Header, t *headerText, p *policy, v limiter.Verdict, reset *resetText, now time.Time) {
+// that binds the request (p of plan pl, whose verdict is v), with their
+// values in t; reset is v.Reset in Unix seconds, rounded up.
+// RateLimit-Policy lists every limit of the plan.
+func (rl *RateLimit) setHeaders(h http.Header, t *headerText, pl *plan, p *policy, v limiter.Verdict, reset *resetText, now time.Time) {
 	if !rl.legacyHeaders && !rl.ietfHeaders {
 		return
 	}
@@ -156,7 +158,7 @@ func (rl *RateLimit) setHeaders(h http.Header, t *headerText, p *policy, v limit
 		b = append(b, remaining...)
 		b = append(b, ";t="...)
 		b = strconv.AppendInt(b, left, 10)
-		t.vals[3], t.vals[4] = rl.policyHeader, t.keep(b)
+		t.vals[3], t.vals[4] = pl.header, t.keep(b)
 		h["Ratelimit-Policy"] = t.vals[3:4:4]
 		h["Ratelimit"] = t.vals[4:5:5]
 	}

@@ -67,6 +67,7 @@ func (rl *RateLimit) check() error {
 		errs = append(errs, err)
 	}
 	errs = append(errs, rl.checkLimits()...)
+	errs = append(errs, rl.checkPlans()...)
 	return errors.Join(errs...)
 }
 

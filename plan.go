@@ -1,0 +1,197 @@
+package ratelimit
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// Plans: each client's limits come from its plan. A plan gives some of the
+// handler's limits another max (and burst, with gcra), or switches them
+// off. A limit keeps its window in every plan, and a key is counted once
+// whatever its plan, so a client moved to a bigger plan mid-window gets the
+// new quota at once, against what it has spent. PlanBy names the plan of
+// each request; an empty or unknown one gets the handler's own values,
+// the plan named DefaultPlan.
+
+// DefaultPlan names the handler's own values: the plan of a request whose
+// plan is empty or unknown.
+const DefaultPlan = "default"
+
+// MaxPlans bounds the plans of one handler.
+const MaxPlans = 1000
+
+// PlanConfig is one plan: its values for the handler's first limit (the one
+// the handler's own max and window define), inline, and for its other
+// limits by name. A limit the plan does not name keeps the handler's
+// values.
+type PlanConfig struct {
+	PlanLimit
+
+	// Limits are the plan's values for the handler's other limits, by
+	// their names.
+	Limits map[string]PlanLimit `json:"limits,omitempty"`
+}
+
+// PlanLimit is a plan's values for one of the handler's limits.
+type PlanLimit struct {
+	// Max replaces the limit's max for the plan's clients, from 1 to
+	// 1000000000. Default (0): the limit's own.
+	Max int `json:"max,omitempty"`
+
+	// Burst replaces the limit's burst (algorithm gcra) for the plan's
+	// clients. Default (0): the limit's own.
+	Burst int `json:"burst,omitempty"`
+
+	// Off switches the limit off for the plan's clients: it neither counts
+	// nor refuses their requests.
+	Off bool `json:"off,omitempty"`
+}
+
+// plan is a plan as the handler runs it.
+type plan struct {
+	name any // for {http.rate_limit.plan}, boxed once
+	// policies are the handler's, in its order, with the plan's values.
+	policies []policy
+	header   string // RateLimit-Policy: the limits of the plan that are on
+}
+
+// buildPlans builds the default plan from the handler's policies, and each
+// configured plan from a copy of them. Provision calls it once the
+// policies are built.
+func (rl *RateLimit) buildPlans() {
+	rl.defaultPlan = newPlan(DefaultPlan, rl.policies)
+	rl.plans = nil
+	if len(rl.Plans) == 0 {
+		return
+	}
+	rl.plans = make(map[string]*plan, len(rl.Plans))
+	for name, pc := range rl.Plans {
+		pols := slices.Clone(rl.policies)
+		for i := range pols {
+			pl := pc.PlanLimit
+			if i > 0 {
+				pl = pc.Limits[pols[i].name]
+			}
+			pols[i].applyPlan(pl)
+		}
+		rl.plans[name] = newPlan(name, pols)
+	}
+}
+
+// newPlan returns the plan named name of policies.
+func newPlan(name string, policies []policy) *plan {
+	var items []string
+	for i := range policies {
+		if !policies[i].off {
+			items = append(items, policies[i].item())
+		}
+	}
+	return &plan{name: name, policies: policies, header: strings.Join(items, ", ")}
+}
+
+// applyPlan gives p, a copy of one of the handler's policies, a plan's
+// values for it. The copy shares the policy's counters (its reset text,
+// its refusal counter), which count the limit whatever the plan.
+func (p *policy) applyPlan(pl PlanLimit) {
+	p.off = pl.Off
+	if pl.Max != 0 {
+		p.setMax(pl.Max)
+	}
+	if pl.Burst != 0 {
+		p.check.Limit.Burst = pl.Burst
+	}
+}
+
+// planOf returns the plan of the request whose replacer is repl: the one
+// PlanBy names, else the default plan.
+func (rl *RateLimit) planOf(repl *caddy.Replacer) *plan {
+	if rl.plans == nil {
+		return rl.defaultPlan
+	}
+	if p := rl.plans[repl.ReplaceKnown(rl.PlanBy, "")]; p != nil {
+		return p
+	}
+	return rl.defaultPlan
+}
+
+// warnClientPlan logs, at load, that clients choose their own plan when
+// plan_by reads a request header as it arrives.
+func (rl *RateLimit) warnClientPlan() {
+	if rl.PlanBy == "" || requestHeaderOf(rl.PlanBy) == "" && !strings.Contains(rl.PlanBy, "{http.request.header.") {
+		return
+	}
+	rl.logger.Warn("clients choose their own plan: plan_by reads a request header, which the client writes",
+		zap.String("zone", rl.Zone), zap.String("plan_by", rl.PlanBy),
+		zap.String("fix", "name the plan with what the client cannot forge: a map from the API key ({http.vars.…}), or an auth module's claim ({http.auth.user.…})"))
+}
+
+// checkPlans reports every invalid plan setting, naming the option and its
+// value.
+func (rl *RateLimit) checkPlans() []error {
+	var errs []error
+	switch {
+	case len(rl.Plans) > 0 && rl.PlanBy == "":
+		errs = append(errs, fmt.Errorf("invalid plans: %d plans and no plan_by to name a request's plan", len(rl.Plans)))
+	case len(rl.Plans) == 0 && rl.PlanBy != "":
+		errs = append(errs, fmt.Errorf("invalid plan_by %q: no plans to choose from", rl.PlanBy))
+	case len(rl.Plans) > MaxPlans:
+		errs = append(errs, fmt.Errorf("invalid plans: %d plans, at most %d", len(rl.Plans), MaxPlans))
+	}
+	if rl.PlanBy != "" {
+		if err := checkKey("plan_by", rl.PlanBy); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	names := make([]string, 0, len(rl.Plans))
+	for name := range rl.Plans {
+		names = append(names, name)
+	}
+	slices.Sort(names) // errors in a stable order
+	for _, name := range names {
+		pc := rl.Plans[name]
+		if !validLimitName(name) || name == DefaultPlan {
+			errs = append(errs, fmt.Errorf("invalid plan name %q: use 1 to %d letters, digits, _ and - only, other than %q (the handler's own values)", name, MaxLimitName, DefaultPlan))
+			continue
+		}
+		what := "plan " + name
+		errs = append(errs, rl.checkPlanLimit(what, rl.Max, time.Duration(rl.Window), rl.Burst, pc.PlanLimit)...)
+		for limit, pl := range pc.Limits {
+			i := slices.IndexFunc(rl.Limits, func(l PolicyConfig) bool { return l.Name == limit })
+			if i < 0 {
+				errs = append(errs, fmt.Errorf("invalid %s limit %q: the handler has no limit of that name", what, limit))
+				continue
+			}
+			l := rl.Limits[i]
+			errs = append(errs, rl.checkPlanLimit(what+" limit "+limit, l.Max, time.Duration(l.Window), cmp.Or(l.Burst, rl.Burst), pl)...)
+		}
+	}
+	return errs
+}
+
+// checkPlanLimit checks a plan's values pl for a limit of max per window,
+// and burst.
+func (rl *RateLimit) checkPlanLimit(what string, max int, window time.Duration, burst int, pl PlanLimit) []error {
+	var errs []error
+	if pl.Off && (pl.Max != 0 || pl.Burst != 0) {
+		errs = append(errs, fmt.Errorf("invalid %s: off with a max or a burst", what))
+	}
+	if pl.Max < 0 || pl.Max > MaxRequests {
+		errs = append(errs, fmt.Errorf("invalid %s max %d: must be from 1 to %d", what, pl.Max, MaxRequests))
+	}
+	if pl.Burst != 0 && rl.Algorithm != AlgorithmGCRA {
+		errs = append(errs, fmt.Errorf("invalid %s burst %d: burst applies to algorithm gcra only", what, pl.Burst))
+	} else if pl.Burst < 0 || pl.Burst > MaxRequests {
+		errs = append(errs, fmt.Errorf("invalid %s burst %d: must be from 1 to %d", what, pl.Burst, MaxRequests))
+	} else if rl.Algorithm == AlgorithmGCRA {
+		if err := checkBucket(what+" ", cmp.Or(pl.Max, max), window, cmp.Or(pl.Burst, burst)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errs
+}

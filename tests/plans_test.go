@@ -1,0 +1,103 @@
+package tests
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// plansSite is the three layers of docs/plans.md, scaled down: a map from
+// the API key to its plan and tenant, per-key plans and a per-tenant
+// guard. mapping is the map's lines.
+func plansSite(zone, mapping string) string {
+	return fmt.Sprintf(`
+:$PORT {
+	map {http.request.header.X-API-Key} {plan} {tenant} {
+%s
+	}
+	rate_limit {
+		zone %s
+		key {http.request.header.X-API-Key}
+		missing reject
+		window 60
+		max 2
+		limit hourly 5 1h
+		limit tenant 3 1m {
+			key {tenant}
+		}
+		plan_by {plan}
+		plan pro {
+			max 4
+			limit hourly 8
+			limit tenant 20
+		}
+		plan partner {
+			max 6
+			limit hourly off
+			limit tenant 20
+		}
+	}
+	respond "{http.rate_limit.plan} {http.rate_limit.limit}"
+}`, mapping, zone)
+}
+
+// Three API keys on three plans get their own quotas, named in the
+// headers and placeholders; a tenant's keys share its guard; a key that a
+// reload maps to a bigger plan mid-window gets the new quota at once,
+// against what it has spent.
+func TestPlansEndToEnd(t *testing.T) {
+	zone := fresh("e2e-plans")
+	mapping := `		k-free   free    acme
+		k-free2  free    acme
+		k-pro    pro     globex
+		k-partner partner initech
+		k-solo   free    solo`
+	s := startCaddy(t, "", plansSite(zone, mapping))
+	// admitted sends n requests with key and reports the statuses, and
+	// the body and X-RateLimit-Limit of the first.
+	admitted := func(key string, n int) (statuses []int, body, limit string) {
+		for i := range n {
+			resp, b := s.get("/", "X-API-Key", key)
+			statuses = append(statuses, resp.StatusCode)
+			if i == 0 {
+				body, limit = b, resp.Header.Get("X-RateLimit-Limit")
+			}
+		}
+		return statuses, body, limit
+	}
+	for _, tc := range []struct {
+		key         string
+		n           int
+		want        string
+		body, limit string
+	}{
+		// "free" is no plan of the handler: the default plan, 2 a minute.
+		{"k-free", 3, "[200 200 429]", "default 2", "2"},
+		{"k-pro", 5, "[200 200 200 200 429]", "pro 4", "4"},
+		// partner: 6 a minute, no hourly cap (the default's 5 would refuse the sixth).
+		{"k-partner", 7, "[200 200 200 200 200 200 429]", "partner 6", "6"},
+		// k-free2 shares acme's guard of 3 with k-free, which spent 2:
+		// the guard binds, and the headers say so.
+		{"k-free2", 2, "[200 429]", "default 3", "3"},
+	} {
+		statuses, body, limit := admitted(tc.key, tc.n)
+		if fmt.Sprint(statuses) != tc.want || body != tc.body || limit != tc.limit {
+			t.Errorf("%s: %v, first body %q, X-RateLimit-Limit %q; want %s, %q, %q", tc.key, statuses, body, limit, tc.want, tc.body, tc.limit)
+		}
+	}
+	if st, _, _ := admitted("k-solo", 3); fmt.Sprint(st) != "[200 200 429]" {
+		t.Fatalf("k-solo on the default plan: %v, want 2 of 3", st)
+	}
+	// The key moves to pro: 4 a minute, of which it spent 2.
+	s.reload("", plansSite(zone, strings.Replace(mapping, "k-solo   free", "k-solo   pro", 1)))
+	if st, body, limit := admitted("k-solo", 3); fmt.Sprint(st) != "[200 200 429]" || body != "pro 4" || limit != "4" {
+		t.Errorf("k-solo moved to pro: %v, %q, %q; want the 2 left of pro's 4", st, body, limit)
+	}
+	if got := listingOf(t, zone)[zone+"/key:k-solo"]; !strings.HasPrefix(got, "4 ") {
+		t.Errorf("k-solo is listed as %q, want one count of 4 across both plans", got)
+	}
+	// No key at all: missing reject.
+	resp, _ := s.get("/")
+	wantStatus(t, resp, http.StatusBadRequest)
+}
