@@ -123,7 +123,7 @@ func (rl *RateLimit) planOf(repl *caddy.Replacer) *plan {
 // warnClientPlan logs, at load, that clients choose their own plan when
 // plan_by reads a request header as it arrives.
 func (rl *RateLimit) warnClientPlan() {
-	if rl.PlanBy == "" || requestHeaderOf(rl.PlanBy) == "" && !strings.Contains(rl.PlanBy, "{http.request.header.") {
+	if !strings.Contains(rl.PlanBy, keyHeaderPrefix) {
 		return
 	}
 	rl.logger.Warn("clients choose their own plan: plan_by reads a request header, which the client writes",

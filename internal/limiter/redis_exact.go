@@ -334,19 +334,16 @@ func (s *RedisStore) Forget(ctx context.Context, key string) (bool, error) {
 
 // ForgetCheck implements Store.
 func (s *RedisStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
-	s.markUsed()
-	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
-	defer cancel()
-	tags := s.tagsOf(c.Key)
-	if len(tags) > 1 {
-		s.refused.forgetFunc(func(k string) bool {
-			name, key := splitCacheKey(k)
-			return name == c.Name && s.tag(key) == c.Key
-		})
-	}
-	s.refused.forget(cacheKey(c.Name, c.Key))
-	_, _ = s.local.ForgetCheck(ctx, c)
-	return s.deleteKeys(ctx, c.Name, tags)
+	return s.forgetCheck(ctx, c, func(tags []string) {
+		if len(tags) > 1 {
+			s.refused.forgetFunc(func(k string) bool {
+				name, key := splitCacheKey(k)
+				return name == c.Name && s.tag(key) == c.Key
+			})
+		}
+		s.refused.forget(cacheKey(c.Name, c.Key))
+		_, _ = s.local.ForgetCheck(ctx, c)
+	})
 }
 
 // subscribed implements redisOwner: what was cached before this

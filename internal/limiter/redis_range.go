@@ -208,6 +208,19 @@ func (s *redisCore) tagsOf(key string) []string {
 	return tags
 }
 
+// forgetCheck is ForgetCheck of a Redis store: forgetLocal drops c's key,
+// whose tags (its own, and the key itself when it is a listed hash) it is
+// given, from the store's in-process state; then Redis forgets it, and the
+// other instances hear of it.
+func (s *redisCore) forgetCheck(ctx context.Context, c Check, forgetLocal func(tags []string)) (bool, error) {
+	s.markUsed()
+	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+	defer cancel()
+	tags := s.tagsOf(c.Key)
+	forgetLocal(tags)
+	return s.deleteKeys(ctx, c.Name, tags)
+}
+
 // deleteKeys deletes the named limit's keys of each tag in Redis (counts,
 // refused tally, ban, strikes; one DEL per tag, whose keys share its slot)
 // and announces each one found on the unblock channel, so that every

@@ -104,12 +104,7 @@ func (s *SyncStore) Forget(ctx context.Context, key string) (bool, error) {
 
 // ForgetCheck implements Store.
 func (s *SyncStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
-	s.markUsed()
-	ctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
-	defer cancel()
-	tags := s.tagsOf(c.Key)
-	s.forgetSync(c.Name, tags)
-	return s.deleteKeys(ctx, c.Name, tags)
+	return s.forgetCheck(ctx, c, func(tags []string) { s.forgetSync(c.Name, tags) })
 }
 
 // forgetSync drops the named limit's entries of the keys
