@@ -47,6 +47,9 @@ const adminPrefix = "/rate_limit/"
 //	GET    /rate_limit/                 every zone with its settings and totals
 //	GET    /rate_limit/<zone>           the zone's tracked keys, busiest first
 //	DELETE /rate_limit/<zone>?key=<key> forget a key at once (an unblock)
+//	GET    /rate_limit/<zone>/overrides the zone's overrides (admin_override.go)
+//	PUT    /rate_limit/<zone>/overrides set one key's override
+//	DELETE /rate_limit/<zone>/overrides?key=<key> remove it
 //	GET    /rate_limit/ui               the dashboard, a page that reads the above
 //
 // The key listing takes the query parameters limited=true (only keys over
@@ -105,9 +108,16 @@ func (a AdminAPI) serveHTTP(w http.ResponseWriter, r *http.Request) error {
 	if rest == dashboardZone {
 		return serveDashboard(w, r)
 	}
+	overrides := false
+	if zone, ok := zoneOverridesPath(rest); ok {
+		rest, overrides = zone, true
+	}
 	name, err := url.PathUnescape(rest)
 	if err != nil || strings.Contains(name, "/") || name == "." || name == ".." {
-		return apiError(http.StatusBadRequest, fmt.Errorf("invalid path %q: want /rate_limit/ZONE; a key goes in the query: DELETE /rate_limit/ZONE?key=KEY", path))
+		return apiError(http.StatusBadRequest, fmt.Errorf("invalid path %q: want /rate_limit/ZONE or /rate_limit/ZONE/overrides; a key goes in the query: DELETE /rate_limit/ZONE?key=KEY", path))
+	}
+	if overrides {
+		return serveOverrides(w, r, name)
 	}
 	return serveZone(w, r, name)
 }

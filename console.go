@@ -33,6 +33,7 @@ func init() {
 //	GET    <base>api/              every zone with its settings and totals
 //	GET    <base>api/<zone>        the zone's tracked keys (the admin API's query)
 //	DELETE <base>api/<zone>?key=   forget a key at once (an unblock)
+//	GET, PUT, DELETE <base>api/<zone>/overrides  the zone's overrides
 //
 // The replies are the admin API's (admin.api.rate_limit). A site's cookies
 // and basic-auth credentials ride along with any request a browser sends,
@@ -42,8 +43,9 @@ func init() {
 //
 // A Console is safe for concurrent use.
 type Console struct {
-	// ReadOnly turns the unblock off: DELETE is refused with 403, and the
-	// dashboard's unblock buttons fail with that error. Default: false.
+	// ReadOnly turns the unblock and overrides off: any method but GET is
+	// refused with 403, and the dashboard's buttons fail with that error.
+	// Default: false.
 	ReadOnly bool `json:"read_only,omitempty"`
 }
 
@@ -99,10 +101,17 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	}
 	path := r.URL.EscapedPath()
 	i := strings.LastIndex(path, "/"+consoleAPI)
-	if i < 0 || strings.Contains(path[i+1+len(consoleAPI):], "/") {
+	if i < 0 {
 		return c.servePage(w, r)
 	}
 	rest := path[i+1+len(consoleAPI):]
+	zone, overrides := zoneOverridesPath(rest)
+	if !overrides {
+		zone = rest
+	}
+	if strings.Contains(zone, "/") {
+		return c.servePage(w, r)
+	}
 	var err error
 	switch {
 	case rest == "":
@@ -114,11 +123,13 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 				err = writeJSON(w, listZones(r.Context()))
 			}
 		}
-	case r.Method == http.MethodDelete && c.ReadOnly:
-		err = apiError(http.StatusForbidden, errors.New("this console is read_only: unblock through the admin API"))
+	case r.Method != http.MethodGet && c.ReadOnly:
+		err = apiError(http.StatusForbidden, errors.New("this console is read_only: unblock and set overrides through the admin API"))
 	default:
 		var name string
-		if name, err = url.PathUnescape(rest); err == nil {
+		if name, err = url.PathUnescape(zone); err == nil && overrides {
+			err = serveOverrides(w, r, name)
+		} else if err == nil {
 			err = serveZone(w, r, name)
 		} else {
 			err = apiError(http.StatusBadRequest, errors.New("invalid zone in path "+strings.ToValidUTF8(path, "?")))

@@ -28,6 +28,12 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	ipKey := rl.ipKey(ip)
 	checks, of, out := &d.checks, &d.of, &d.out
 	pl := rl.planOf(repl)
+	now := rl.zone.clock.Now()
+	if rl.zone.overrides.table.Load() != nil {
+		if o := rl.overridePlan(repl, r.Header, ipKey, now); o != nil {
+			pl = o
+		}
+	}
 	// Every limit's key first: a limit that rejects a request without its
 	// key wins whatever the order; a limit with no key at all (no client
 	// IP, missing ip), or one the request's plan switches off, sits this
@@ -67,7 +73,6 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		rl.enterInFlight(d, n)
 		defer rl.leaveInFlight(d, n)
 	}
-	now := rl.zone.clock.Now()
 	if err := rl.zone.store.Decide(ctx, checks[:n], now, out[:n]); err != nil {
 		return rl.undecided(w, r, err)
 	}

@@ -3,7 +3,11 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -46,4 +50,21 @@ func (rl *RateLimit) emitExceeded(p *policy, key string, v limiter.Verdict) {
 		"reset":   ceilSeconds(v.Reset.UnixNano()),
 		"dry_run": rl.DryRun,
 	})
+}
+
+// overrideNotifier returns what logs an override's change in zone, and
+// emits its event (EventOverrideSet, EventOverrideRemoved) through the
+// events app of the config ctx, if it has one.
+func overrideNotifier(ctx caddy.Context, events *caddyevents.App, logger *zap.Logger, zone string) func(string, map[string]any) {
+	return func(event string, data map[string]any) {
+		data["zone"] = zone
+		fields := make([]zap.Field, 0, len(data))
+		for _, k := range slices.Sorted(maps.Keys(data)) {
+			fields = append(fields, zap.Any(k, data[k]))
+		}
+		logger.Info(event, fields...)
+		if events != nil && events.ShouldEmit(event) {
+			events.Emit(ctx, event, data)
+		}
+	}
 }

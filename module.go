@@ -254,8 +254,9 @@ type RateLimit struct {
 	policies []policy // the first limit, then Limits: the default plan's
 	// defaultPlan is the handler's own values; plans the others, by name
 	// (nil without plans).
-	defaultPlan *plan
-	plans       map[string]*plan
+	defaultPlan   *plan
+	plans         map[string]*plan
+	overridePlans *overridePlans // built in Provision
 	// countStatus is set when a limit counts by response status.
 	countStatus bool
 	costWarned  *atomic.Bool // set once a bad cost value has been logged
@@ -383,6 +384,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		rl.waitRoom = &waitRoom{byKey: map[string]int{}, perKey: rl.DelayPerKey, cap: rl.DelayTotal}
 	}
 	rl.buildPlans()
+	rl.overridePlans = new(overridePlans)
 	rl.warnClientPlan()
 	rl.legacyHeaders = rl.Headers == HeadersLegacy || rl.Headers == HeadersBoth
 	rl.ietfHeaders = rl.Headers == HeadersIETF || rl.Headers == HeadersBoth
@@ -403,6 +405,11 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	if reg := ctx.GetMetricsRegistry(); reg != nil {
 		load = reg
 	}
+	var err error
+	if rl.events, err = eventsApp(ctx); err != nil {
+		return err
+	}
+	rl.ctx = ctx
 	if err := claimZone(ctx.Context, load, rl.Zone, rl.sharedSettings()); err != nil {
 		return err
 	}
@@ -434,11 +441,6 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	rl.events, err = eventsApp(ctx)
-	if err != nil {
-		return err
-	}
-	rl.ctx = ctx
 	return nil
 }
 
@@ -456,6 +458,8 @@ func (rl *RateLimit) settings() zoneSettings {
 	if rl.Store.isRedis() {
 		s.timeout, s.onError = time.Duration(rl.Store.Timeout), rl.Store.OnError
 	}
+	s.plans = rl.planRules()
+	s.notify = overrideNotifier(rl.ctx, rl.events, rl.logger, rl.Zone)
 	return s
 }
 

@@ -72,16 +72,22 @@ func (rl *RateLimit) buildPlans() {
 	}
 	rl.plans = make(map[string]*plan, len(rl.Plans))
 	for name, pc := range rl.Plans {
-		pols := slices.Clone(rl.policies)
-		for i := range pols {
-			pl := pc.PlanLimit
-			if i > 0 {
-				pl = pc.Limits[pols[i].name]
-			}
-			pols[i].applyPlan(pl)
-		}
-		rl.plans[name] = newPlan(name, pols)
+		rl.plans[name] = rl.planFrom(name, pc)
 	}
+}
+
+// planFrom returns the plan named name that pc's values make of the
+// handler's own.
+func (rl *RateLimit) planFrom(name string, pc PlanConfig) *plan {
+	pols := slices.Clone(rl.policies)
+	for i := range pols {
+		pl := pc.PlanLimit
+		if i > 0 {
+			pl = pc.Limits[pols[i].name]
+		}
+		pols[i].applyPlan(pl)
+	}
+	return newPlan(name, pols)
 }
 
 // newPlan returns the plan named name of policies.
@@ -148,35 +154,65 @@ func (rl *RateLimit) checkPlans() []error {
 			errs = append(errs, err)
 		}
 	}
+	rules := rl.planRules()
+	for _, name := range rules.names {
+		if !validLimitName(name) || name == DefaultPlan || name == OverridePlan {
+			errs = append(errs, fmt.Errorf("invalid plan name %q: use 1 to %d letters, digits, _ and - only, other than %q (the handler's own values) and %q (an override's)", name, MaxLimitName, DefaultPlan, OverridePlan))
+			continue
+		}
+		errs = append(errs, rules.check("plan "+name, rl.Plans[name])...)
+	}
+	return errs
+}
+
+// planRules are what a plan's values are checked against: the handler's
+// algorithm and limits, and its plans' names. The zone keeps its newest
+// handler's, to check an override against.
+type planRules struct {
+	zone      string
+	names     []string // the plans, sorted
+	algorithm string
+	max       int
+	window    time.Duration
+	burst     int
+	limits    []PolicyConfig
+}
+
+// planRules returns the handler's plan rules.
+func (rl *RateLimit) planRules() planRules {
 	names := make([]string, 0, len(rl.Plans))
 	for name := range rl.Plans {
 		names = append(names, name)
 	}
 	slices.Sort(names) // errors in a stable order
-	for _, name := range names {
-		pc := rl.Plans[name]
-		if !validLimitName(name) || name == DefaultPlan {
-			errs = append(errs, fmt.Errorf("invalid plan name %q: use 1 to %d letters, digits, _ and - only, other than %q (the handler's own values)", name, MaxLimitName, DefaultPlan))
+	return planRules{zone: rl.Zone, names: names, algorithm: rl.Algorithm, max: rl.Max, window: time.Duration(rl.Window),
+		burst: rl.Burst, limits: slices.Clone(rl.Limits)}
+}
+
+// check reports every invalid value of pc, the values of what (a plan or
+// an override), naming it.
+func (r planRules) check(what string, pc PlanConfig) []error {
+	errs := r.checkLimit(what, r.max, r.window, r.burst, pc.PlanLimit)
+	limits := make([]string, 0, len(pc.Limits))
+	for limit := range pc.Limits {
+		limits = append(limits, limit)
+	}
+	slices.Sort(limits)
+	for _, limit := range limits {
+		i := slices.IndexFunc(r.limits, func(l PolicyConfig) bool { return l.Name == limit })
+		if i < 0 {
+			errs = append(errs, fmt.Errorf("invalid %s limit %q: the handler has no limit of that name", what, limit))
 			continue
 		}
-		what := "plan " + name
-		errs = append(errs, rl.checkPlanLimit(what, rl.Max, time.Duration(rl.Window), rl.Burst, pc.PlanLimit)...)
-		for limit, pl := range pc.Limits {
-			i := slices.IndexFunc(rl.Limits, func(l PolicyConfig) bool { return l.Name == limit })
-			if i < 0 {
-				errs = append(errs, fmt.Errorf("invalid %s limit %q: the handler has no limit of that name", what, limit))
-				continue
-			}
-			l := rl.Limits[i]
-			errs = append(errs, rl.checkPlanLimit(what+" limit "+limit, l.Max, time.Duration(l.Window), cmp.Or(l.Burst, rl.Burst), pl)...)
-		}
+		l := r.limits[i]
+		errs = append(errs, r.checkLimit(what+" limit "+limit, l.Max, time.Duration(l.Window), cmp.Or(l.Burst, r.burst), pc.Limits[limit])...)
 	}
 	return errs
 }
 
-// checkPlanLimit checks a plan's values pl for a limit of max per window,
+// checkLimit checks a plan's values pl for a limit of max per window,
 // and burst.
-func (rl *RateLimit) checkPlanLimit(what string, max int, window time.Duration, burst int, pl PlanLimit) []error {
+func (r planRules) checkLimit(what string, max int, window time.Duration, burst int, pl PlanLimit) []error {
 	var errs []error
 	if pl.Off && (pl.Max != 0 || pl.Burst != 0) {
 		errs = append(errs, fmt.Errorf("invalid %s: off with a max or a burst", what))
@@ -184,11 +220,11 @@ func (rl *RateLimit) checkPlanLimit(what string, max int, window time.Duration, 
 	if pl.Max < 0 || pl.Max > MaxRequests {
 		errs = append(errs, fmt.Errorf("invalid %s max %d: must be from 1 to %d", what, pl.Max, MaxRequests))
 	}
-	if pl.Burst != 0 && rl.Algorithm != AlgorithmGCRA {
+	if pl.Burst != 0 && r.algorithm != AlgorithmGCRA {
 		errs = append(errs, fmt.Errorf("invalid %s burst %d: burst applies to algorithm gcra only", what, pl.Burst))
 	} else if pl.Burst < 0 || pl.Burst > MaxRequests {
 		errs = append(errs, fmt.Errorf("invalid %s burst %d: must be from 1 to %d", what, pl.Burst, MaxRequests))
-	} else if rl.Algorithm == AlgorithmGCRA {
+	} else if r.algorithm == AlgorithmGCRA {
 		if err := checkBucket(what+" ", cmp.Or(pl.Max, max), window, cmp.Or(pl.Burst, burst)); err != nil {
 			errs = append(errs, err)
 		}

@@ -70,6 +70,9 @@ type zone struct {
 	// clock is the time the zone's handlers and store read (clock.For).
 	clock clock.Clock
 
+	// overrides are the keys whose limits the admin API set.
+	overrides zoneOverrides
+
 	cancel context.CancelFunc
 }
 
@@ -130,6 +133,10 @@ type zoneSettings struct {
 	gcInterval time.Duration
 	timeout    time.Duration // Redis only
 	onError    string        // Redis only
+	plans      planRules     // what an override is checked against
+	// notify logs an override's change and emits its event, as the
+	// handler would.
+	notify func(event string, data map[string]any)
 }
 
 // zoneHold is what a zone gives a handler that holds it: the id it lets go
@@ -194,6 +201,7 @@ func newZone(name, storeKind string, store limiter.Store, closeStore func() erro
 	ctx, cancel := context.WithCancel(context.Background())
 	z := &zone{name: name, seq: zoneSeq.Add(1), store: store, storeKind: storeKind, closeStore: closeStore, clock: clk, cancel: cancel}
 	z.apply(s)
+	z.watchOverrides()
 	go store.Run(ctx, func() time.Duration { return time.Duration(z.gcInterval.Load()) })
 	return z
 }

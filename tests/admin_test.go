@@ -35,7 +35,13 @@ func admin(t *testing.T, method, path string) (int, string) {
 // adminDo is admin, with the answer's headers.
 func adminDo(t *testing.T, method, path string) (int, http.Header, string) {
 	t.Helper()
-	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", adminPort, path), nil)
+	return adminSend(t, method, path, "")
+}
+
+// adminSend is adminDo with body as the request's body.
+func adminSend(t *testing.T, method, path, body string) (int, http.Header, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, fmt.Sprintf("http://localhost:%d%s", adminPort, path), strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,11 +50,11 @@ func adminDo(t *testing.T, method, path string) (int, http.Header, string) {
 		t.Fatalf("%s %s: %v", method, path, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
+	reply, err := io.ReadAll(resp.Body)
 	if err != nil {
 		t.Fatalf("reading %s %s: %v", method, path, err)
 	}
-	return resp.StatusCode, resp.Header, string(body)
+	return resp.StatusCode, resp.Header, string(reply)
 }
 
 // wantPrivateJSON fails t unless h, the headers of an answer holding client

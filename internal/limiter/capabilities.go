@@ -2,6 +2,7 @@ package limiter
 
 import (
 	"context"
+	"errors"
 	"time"
 )
 
@@ -46,3 +47,28 @@ type Syncer interface {
 	// SyncStats returns the sync loop's figures at now.
 	SyncStats(now time.Time) SyncStats
 }
+
+// Overrider is a Fleet store that keeps the zone's per-key overrides
+// where every instance reads them (Redis). The limiter stores each as the
+// zone wrote it, under the tag of its key (Store.Tag), and parses none.
+type Overrider interface {
+	Fleet
+
+	// SetOverride stores value as the override of the key tagged tag,
+	// unless the zone keeps most overrides already and none of them is
+	// the tag's (ErrTooManyOverrides), and announces the change.
+	SetOverride(ctx context.Context, tag string, value []byte, most int) error
+	// DeleteOverrides removes the overrides of tags, announces the change
+	// when there was one, and returns how many it removed.
+	DeleteOverrides(ctx context.Context, tags ...string) (int, error)
+	// Overrides returns every override of the zone, by tag.
+	Overrides(ctx context.Context) (map[string]string, error)
+	// WatchOverrides sets the function called whenever the overrides may
+	// have changed: an instance set or removed one, or this instance
+	// subscribed to the announcements anew and may have missed some.
+	WatchOverrides(fn func())
+}
+
+// ErrTooManyOverrides is SetOverride's error when the zone keeps as many
+// overrides as it may.
+var ErrTooManyOverrides = errors.New("too many overrides")

@@ -96,7 +96,8 @@ type redisCore struct {
 	wake       chan struct{}
 	probeEvery time.Duration
 
-	counts keyCounter // the counts of the zone's keys (CountKeys)
+	counts keyCounter    // the counts of the zone's keys (CountKeys)
+	watch  overrideWatch // told when the zone's overrides change (WatchOverrides)
 
 	owner redisOwner
 }

@@ -377,4 +377,4 @@ func (s *RedisStore) dropCached(name, tag string) {
 }
 
 // Interface guards
-var _ Fleet = (*RedisStore)(nil)
+var _ Overrider = (*RedisStore)(nil)

@@ -141,7 +141,10 @@ func (s *SyncStore) subscribed(context.Context) { s.table.resend.Store(true) }
 func (s *SyncStore) dropCached(name, tag string) { s.forgetSync(name, []string{tag}) }
 
 // Interface guards
-var _ Syncer = (*SyncStore)(nil)
+var (
+	_ Syncer    = (*SyncStore)(nil)
+	_ Overrider = (*SyncStore)(nil)
+)
 
 // syncShards is how many locks the sync table's keys are spread over.
 const syncShards = 64

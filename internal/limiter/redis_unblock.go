@@ -14,12 +14,14 @@ import (
 func (s *redisCore) unblockChannel() string { return s.prefix + "unblocked" }
 
 // listen drops from the in-process state every key another instance (or
-// this one) announces as unblocked (owner.dropCached), until ctx is done.
-// The client resubscribes after a lost connection by itself; announcements
-// made while not subscribed are lost, so the owner hears of every
-// subscription, the first included (owner.subscribed).
+// this one) announces as unblocked (owner.dropCached), and tells the zone
+// of every change to its overrides, until ctx is done. The client
+// resubscribes after a lost connection by itself; announcements made while
+// not subscribed are lost, so the owner hears of every subscription, the
+// first included (owner.subscribed), and the zone reads its overrides
+// again.
 func (s *redisCore) listen(ctx context.Context) {
-	ps := s.client.Subscribe(ctx, s.unblockChannel())
+	ps := s.client.Subscribe(ctx, s.unblockChannel(), s.overridesChannel())
 	// Receive does not return when ctx ends: closing the subscription
 	// makes it.
 	stop := context.AfterFunc(ctx, func() { _ = ps.Close() })
@@ -35,7 +37,7 @@ func (s *redisCore) listen(ctx context.Context) {
 			if !failing {
 				// Once per outage: a NOPERM (a Redis user without
 				// channel rights) would otherwise fail silently.
-				s.logger.Warn("unblock channel: other instances' unblocks are not heard until it works again",
+				s.logger.Warn("unblock channel: other instances' unblocks and overrides are not heard until it works again",
 					zap.String("channel", s.unblockChannel()), zap.Error(err))
 				failing = true
 			}
@@ -49,10 +51,18 @@ func (s *redisCore) listen(ctx context.Context) {
 		failing = false
 		switch m := msg.(type) {
 		case *redis.Subscription:
-			if m.Kind == "subscribe" {
+			switch {
+			case m.Kind != "subscribe":
+			case m.Channel == s.overridesChannel():
+				s.overridesChanged()
+			default:
 				s.owner.subscribed(ctx)
 			}
 		case *redis.Message:
+			if m.Channel == s.overridesChannel() {
+				s.overridesChanged()
+				continue
+			}
 			name, tag, _ := strings.Cut(m.Payload, "\x00")
 			s.owner.dropCached(name, tag)
 		}
