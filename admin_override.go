@@ -17,6 +17,7 @@ import (
 //	GET    /rate_limit/<zone>/overrides          the zone's overrides in force
 //	PUT    /rate_limit/<zone>/overrides          set one: an Override as the body
 //	DELETE /rate_limit/<zone>/overrides?key=KEY  remove the key's override
+//	                                  (or ?key_hash=, as hash_keys lists it)
 //
 // As with an unblock, the key travels in the body or the query, never in
 // the path.
@@ -107,25 +108,32 @@ func decodeOverride(body io.Reader) (*Override, error) {
 	return o, nil
 }
 
-// deleteOverride removes the override of the key r's query names in z.
+// deleteOverride removes the override of the key r's query names in z:
+// by key, or by key_hash (as a zone with hash_keys lists it).
 func deleteOverride(w http.ResponseWriter, r *http.Request, z *zone) error {
-	params, err := parseQuery(r.URL.RawQuery, "key")
+	params, err := parseQuery(r.URL.RawQuery, "key", "key_hash")
 	if err != nil {
 		return apiError(http.StatusBadRequest, err)
 	}
-	key := params["key"]
-	if key == "" {
-		return apiError(http.StatusBadRequest, errors.New("missing query parameter key: DELETE /rate_limit/ZONE/overrides?key=KEY"))
+	key, hash := params["key"], params["key_hash"]
+	tag, what := z.store.Tag(key), key
+	switch {
+	case (key == "") == (hash == ""):
+		return apiError(http.StatusBadRequest, errors.New("give one query parameter, key or key_hash: DELETE /rate_limit/ZONE/overrides?key=KEY"))
+	case hash != "" && !z.store.HashedKeys():
+		return apiError(http.StatusBadRequest, fmt.Errorf("invalid key_hash %q: zone %q does not hash its keys; give the key", hash, z.name))
+	case hash != "":
+		tag, what = hash, "hash "+hash
 	}
-	found, err := z.removeOverride(r.Context(), key)
+	found, err := z.removeOverride(r.Context(), tag)
 	if err != nil {
-		return apiError(http.StatusInternalServerError, fmt.Errorf("removing the override of %q in zone %q: %v", key, z.name, err))
+		return apiError(http.StatusInternalServerError, fmt.Errorf("removing the override of %q in zone %q: %v", what, z.name, err))
 	}
 	if !found {
-		return apiError(http.StatusNotFound, fmt.Errorf("key %q has no override in zone %q", key, z.name))
+		return apiError(http.StatusNotFound, fmt.Errorf("%q has no override in zone %q", what, z.name))
 	}
 	if s := z.newest(); s.notify != nil {
-		s.notify(EventOverrideRemoved, map[string]any{"key": key})
+		s.notify(EventOverrideRemoved, map[string]any{"key": key, "key_hash": hash})
 	}
-	return writeJSON(w, map[string]any{"zone": z.name, "key": key, "removed": true})
+	return writeJSON(w, map[string]any{"zone": z.name, "key": key, "key_hash": hash, "removed": true})
 }

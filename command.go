@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -18,8 +19,8 @@ import (
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "rate-limit",
-		Usage: "zones | top <zone> [--by recent_refusals|count] [--limited] [--prefix <p>] [--policy <name>] [-n <n>] | unblock <zone> <key>",
-		Short: "Lists rate limit zones and offenders, and unblocks clients",
+		Usage: "zones | top <zone> [--by recent_refusals|count] [--limited] [--prefix <p>] [--policy <name>] [-n <n>] | unblock <zone> <key> | override list|set|rm <zone> [<key>]",
+		Short: "Lists rate limit zones and offenders, unblocks clients, overrides their limits",
 		Long: `Talks to the admin API of a running Caddy (the rate_limit module's endpoints
 under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
 
@@ -28,6 +29,12 @@ under /rate_limit/) and prints aligned tables, or the API's JSON with --json.
                                           most refused first
         [--by count] [--limited] [--prefix <p>] [--policy <name>] [-n <n>]
   caddy rate-limit unblock <zone> <key>   forget the key now [--policy <name>]
+  caddy rate-limit override list <zone>   the zone's overrides
+  caddy rate-limit override set <zone> <key> --plan <name> | --max <n>
+        [--burst <n>] [--off] [--limit <name>=<max>|off ...] [--ttl <d>]
+                                          set the key's override
+  caddy rate-limit override rm <zone> <key>
+                                          remove it
 
 The admin endpoint is found as 'caddy reload' finds it: --address if given,
 else the admin address of the --config file, else ` + "localhost:2019" + `.
@@ -66,6 +73,7 @@ aligned and no key passes for columns of its own. --json gives keys as they are.
 				&cobra.Command{Use: "zones", Short: "Lists every zone", Args: cobra.NoArgs, RunE: cmdZones},
 				top,
 				unblock,
+				overrideCommand(),
 			)
 		},
 	})
@@ -78,6 +86,11 @@ github.com/caddy-rate-limit/caddy-rate-limit`
 // adminCall sends a request to the admin endpoint the flags name and
 // returns the reply's body; an error reply is an error.
 func adminCall(cmd *cobra.Command, method, uri string) ([]byte, error) {
+	return adminSend(cmd, method, uri, nil)
+}
+
+// adminSend is adminCall with body (JSON) as the request's body.
+func adminSend(cmd *cobra.Command, method, uri string, body []byte) ([]byte, error) {
 	flags := cmd.Flags()
 	address, _ := flags.GetString("address")
 	config, _ := flags.GetString("config")
@@ -86,7 +99,13 @@ func adminCall(cmd *cobra.Command, method, uri string) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("finding the admin endpoint: %v", err)
 	}
-	resp, err := caddycmd.AdminAPIRequest(addr, method, uri, http.Header{"Accept": {"application/json"}}, nil)
+	header := http.Header{"Accept": {"application/json"}}
+	var reader io.Reader
+	if body != nil {
+		header.Set("Content-Type", "application/json")
+		reader = bytes.NewReader(body)
+	}
+	resp, err := caddycmd.AdminAPIRequest(addr, method, uri, header, reader)
 	if err != nil {
 		return nil, err
 	}

@@ -227,9 +227,9 @@ func tooManyOverrides(zone string) error {
 	return apiError(http.StatusConflict, fmt.Errorf("zone %q keeps %d overrides, the most it may: remove one first", zone, MaxOverrides))
 }
 
-// removeOverride removes key's override, and reports whether it had one.
-func (z *zone) removeOverride(ctx context.Context, key string) (bool, error) {
-	tag := z.store.Tag(key)
+// removeOverride removes the override of the key tagged tag
+// (Store.Tag), and reports whether it had one.
+func (z *zone) removeOverride(ctx context.Context, tag string) (bool, error) {
 	if ov, ok := z.store.(limiter.Overrider); ok {
 		n, err := ov.DeleteOverrides(ctx, tag)
 		return n > 0, err

@@ -142,3 +142,51 @@ func wantSitesAliveAt(t *testing.T, s *server, path string, headers ...string) {
 		t.Fatalf("GET %s after unblock: %d, want 200", path, resp.StatusCode)
 	}
 }
+
+// caddy rate-limit override sets, lists and removes a key's override
+// against a real Caddy, and the key runs with it; what the API refuses
+// exits non-zero with its message.
+func TestCommandLineOverrides(t *testing.T) {
+	zone := fresh("e2e-cli-overrides")
+	s := startCaddy(t, "", plansSite(zone, "		k-1 free one"))
+	out, err := rateLimitCmd(t, "override", "set", zone, "key:k-1", "--plan", "pro")
+	if err != nil || out != "override of key:k-1 in zone "+zone+": plan pro\n" {
+		t.Fatalf("override set --plan: %v\n%s", err, out)
+	}
+	if resp, body := s.get("/", "X-API-Key", "k-1"); resp.StatusCode != http.StatusOK || body != "pro 4" {
+		t.Errorf("k-1 after its override: %d %q, want pro 4", resp.StatusCode, body)
+	}
+	out, err = rateLimitCmd(t, "override", "set", zone, "key:"+hostileKey, "--max", "9", "--limit", "hourly=off", "--limit", "tenant=30", "--ttl", "1h")
+	if err != nil || !regexp.MustCompile(`^override of key:/\.\./\.\./\.\./config/ in zone \S+: max=9 hourly=off tenant=30 until \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\n$`).MatchString(out) {
+		t.Fatalf("override set --max --limit --ttl: %v\n%s", err, out)
+	}
+	out, err = rateLimitCmd(t, "override", "list", zone)
+	if err != nil {
+		t.Fatalf("override list: %v\n%s", err, out)
+	}
+	want := regexp.MustCompile(`^KEY +PLAN +VALUES +EXPIRES IN
+key:/\.\./\.\./\.\./config/ +- +max=9 hourly=off tenant=30 +(59m5\ds|1h)
+key:k-1 +pro +- +never
+2 overrides in zone \S+ \(at most 10000\)
+$`)
+	if !want.MatchString(out) {
+		t.Errorf("override list:\n%s", out)
+	}
+	if out, err = rateLimitCmd(t, "override", "rm", zone, "key:k-1"); err != nil || out != "removed the override of key:k-1 in zone "+zone+"\n" {
+		t.Errorf("override rm: %v\n%s", err, out)
+	}
+	for _, args := range [][]string{
+		{"override", "rm", zone, "key:k-1"},
+		{"override", "set", zone, "k-1", "--plan", "pro"},
+		{"override", "set", zone, "key:k-1", "--limit", "hourly"},
+	} {
+		out, err := rateLimitCmd(t, args...)
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(out, "Error: ") {
+			t.Errorf("%v: %v\n%s; want exit 1 with an error", args, err, out)
+		}
+	}
+	if out, _ := rateLimitCmd(t, "override", "list", zone, "--json"); !strings.Contains(out, `"key":"key:/../../../config/"`) || strings.Contains(out, "k-1") {
+		t.Errorf("override list --json: %s", out)
+	}
+}

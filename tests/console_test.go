@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -149,6 +151,20 @@ func TestConsoleSiteHandler(t *testing.T) {
 	if status != http.StatusForbidden || !strings.Contains(body, "read_only") {
 		t.Fatalf("DELETE through the read_only console: %d %s; want 403", status, body)
 	}
+	// Overrides follow the same rules: read only, and same-site only.
+	for _, method := range []string{http.MethodPut, http.MethodDelete} {
+		status, _, body := consoleDo(t, s, method, "/view/api/"+zone+"/overrides?key=198.51.100.120", "Sec-Fetch-Site", "same-origin")
+		if status != http.StatusForbidden || !strings.Contains(body, "read_only") {
+			t.Errorf("%s of an override through the read_only console: %d %s; want 403", method, status, body)
+		}
+		status, _, body = consoleDo(t, s, method, "/rate-limits/api/"+zone+"/overrides?key=198.51.100.120", "Sec-Fetch-Site", "cross-site")
+		if status != http.StatusForbidden || !strings.Contains(body, "cross-site request refused") {
+			t.Errorf("cross-site %s of an override: %d %s; want 403", method, status, body)
+		}
+	}
+	if status, _, body := consoleDo(t, s, http.MethodGet, "/view/api/"+zone+"/overrides"); status != http.StatusOK || !strings.Contains(body, `"overrides":[]`) {
+		t.Errorf("GET the overrides through the read_only console: %d %s; want none listed", status, body)
+	}
 	wantStatus(t, request(t, s.Base, "/app", "X-Forwarded-For", "198.51.100.120"), http.StatusTooManyRequests)
 
 	status, h, body := consoleDo(t, s, http.MethodDelete, unblock, "Sec-Fetch-Site", "same-origin", "Origin", s.Base)
@@ -275,5 +291,60 @@ func TestConsoleInBrowser(t *testing.T) {
 	waitJS(t, ctx, `!(`+row+`) && document.querySelector('#error').hidden`, "the offender gone after unblock")
 	if got := listingOf(t, zone)[zone+"/"+offender]; got != "" {
 		t.Fatalf("after the unblock the offender is listed as %q, want forgotten", got)
+	}
+}
+
+// The console's overrides in a real browser: the form sets one (the key
+// then runs with its plan), a key that is markup shows as text and runs
+// nothing, and Remove takes an override away.
+func TestConsoleOverridesInBrowser(t *testing.T) {
+	ctx := browser(t)
+	zone := fresh("e2e-console-overrides")
+	site := plansSite(zone, "		k-1 free one")
+	site = strings.Replace(site, ":$PORT {", ":$PORT {\n\thandle /rate-limits* {\n\t\trate_limit_console\n\t}\n\thandle {", 1) + "\n}"
+	s := startCaddy(t, "", site)
+	if resp, body := s.get("/", "X-API-Key", "k-1"); resp.StatusCode != http.StatusOK || body != "default 2" {
+		t.Fatalf("k-1 on the default plan: %d %q", resp.StatusCode, body)
+	}
+	if status, reply := setOverride(t, zone, `{"key": `+strconv.Quote("key:"+xssKey)+`, "max": 9}`); status != http.StatusOK {
+		t.Fatalf("override of the markup key: %d %s", status, reply)
+	}
+	if err := chromedp.Do(ctx, chromedp.Navigate(s.Base+"/rate-limits/#zone="+zone)); err != nil {
+		t.Fatal(err)
+	}
+	rowOf := func(key string) string {
+		return `Array.from(document.querySelectorAll('#override-list tbody tr')).find((r) => r.dataset.key === ` + strconv.Quote(key) + `)`
+	}
+	waitJS(t, ctx, `!!(`+rowOf("key:"+xssKey)+`)`, "the markup key's override")
+	if _, err := chromedp.Run(ctx, chromedp.Evaluate[bool](`(() => {
+		document.querySelector('#override-key').value = 'key:k-1';
+		document.querySelector('#override-plan').value = 'pro';
+		document.querySelector('#override-ttl').value = '1h';
+		document.querySelector('#override-form').requestSubmit();
+		return true;
+	})()`)); err != nil {
+		t.Fatal(err)
+	}
+	waitJS(t, ctx, `!!(`+rowOf("key:k-1")+`)`, "k-1's override")
+	cells, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`Array.from(`+rowOf("key:k-1")+`.cells).map((c) => c.textContent)`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cells) != 5 || cells[1] != "pro" || cells[2] != "\u2014" || !regexp.MustCompile(`^(59m5\ds|1h)$`).MatchString(cells[3]) {
+		t.Errorf("k-1's override row = %q, want plan pro for 1h", cells)
+	}
+	if resp, body := s.get("/", "X-API-Key", "k-1"); resp.StatusCode != http.StatusOK || body != "pro 4" {
+		t.Errorf("k-1 after the console's override: %d %q, want pro 4", resp.StatusCode, body)
+	}
+	markup, err := chromedp.Run(ctx, chromedp.Evaluate[string](rowOf("key:"+xssKey)+`.cells[0].textContent + ' ' + !!window.pwned + ' ' + document.querySelectorAll('#override-list img').length`))
+	if err != nil || markup != "key:"+xssKey+" false 0" {
+		t.Errorf("the markup key's row reads %q (%v), want the key as text, nothing run", markup, err)
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Evaluate[bool](rowOf("key:k-1")+`.querySelector('button.remove').click() || true`)); err != nil {
+		t.Fatal(err)
+	}
+	waitJS(t, ctx, `!(`+rowOf("key:k-1")+`) && document.querySelector('#error').hidden`, "k-1's override gone")
+	if got := overridesOf(t, zone); fmt.Sprint(got) != "[key:"+xssKey+"  9 0]" {
+		t.Errorf("overrides after Remove = %v, want the markup key's alone", got)
 	}
 }

@@ -166,6 +166,10 @@
 			unblock.type = 'button';
 			unblock.addEventListener('click', () => forget(list.zone, k.key, unblock));
 			unblock.title = 'Forget this key in every limit of the zone';
+			const override = el('button', 'override', 'Override');
+			override.type = 'button';
+			override.addEventListener('click', () => { byId('override-key').value = k.key; byId('override-plan').focus(); });
+			override.title = 'Give this key a plan or a max of its own (the form below)';
 			const row = el('tr', k.limited ? 'limited' : '',
 				el('td', 'key', k.key),
 				el('td', '', k.policy || ''),
@@ -176,7 +180,7 @@
 				el('td', '', k.banned_until ? 'banned' : k.limited ? 'yes' : 'no'),
 				el('td', 'num', k.recent_refusals || '—'),
 				el('td', 'num', k.last_refused ? seconds(now - k.last_refused) + ' ago' : '—'),
-				el('td', '', unblock));
+				el('td', '', unblock, ' ', override));
 			row.dataset.key = k.key;
 			body.append(row);
 		}
@@ -185,6 +189,75 @@
 		byId('keys-summary').textContent = (list.keys.length === list.total
 			? list.total + (list.total === 1 ? ' key' : ' keys')
 			: (recent ? 'the most refused ' : 'the busiest ') + list.keys.length + ' of ' + list.total + ' keys') + recent;
+	}
+
+	// values writes an override's values as the command line does:
+	// "max=9 hourly=off", or "—" for none.
+	function values(o) {
+		const parts = [];
+		const add = (name, v) => {
+			if (v.off) parts.push(name + '=off');
+			else if (v.max) parts.push(name + '=' + v.max);
+			if (v.burst) parts.push(name + '.burst=' + v.burst);
+		};
+		add('max', o);
+		for (const name of Object.keys(o.limits || {}).sort()) add(name, o.limits[name]);
+		return parts.join(' ') || '—';
+	}
+
+	function renderOverrides(list) {
+		byId('overrides').hidden = false;
+		byId('overrides-zone').textContent = list.zone;
+		const body = byId('override-list').tBodies[0];
+		body.replaceChildren();
+		const now = Date.now() / 1000;
+		for (const o of list.overrides) {
+			const key = o.key || o.key_hash;
+			const remove = el('button', 'remove', 'Remove');
+			remove.type = 'button';
+			remove.addEventListener('click', () => unset(list.zone, o.key ? {key: o.key} : {key_hash: o.key_hash}, remove));
+			remove.title = 'Remove the override: the key runs with its plan again';
+			const row = el('tr', '',
+				el('td', 'key', o.key || 'hash ' + o.key_hash),
+				el('td', '', o.plan || '—'),
+				el('td', '', values(o)),
+				el('td', 'num', o.expires ? seconds(o.expires - now) : 'never'),
+				el('td', '', remove));
+			row.dataset.key = key;
+			body.append(row);
+		}
+		byId('overrides-summary').textContent = list.overrides.length + ' of at most ' + list.max + ' overrides';
+	}
+
+	function overridesURL(zone) {
+		return api + encodeURIComponent(zone) + '/overrides';
+	}
+
+	async function setOverride(e) {
+		e.preventDefault();
+		const o = {key: byId('override-key').value.trim()};
+		const plan = byId('override-plan').value.trim(), max = byId('override-max').value, ttl = byId('override-ttl').value.trim();
+		if (plan) o.plan = plan;
+		if (max) o.max = Number(max);
+		if (ttl) o.ttl = ttl;
+		try {
+			await call(overridesURL(selected), {method: 'PUT', body: JSON.stringify(o), headers: {Accept: 'application/json', 'Content-Type': 'application/json'}});
+			byId('override-form').reset();
+			await refresh();
+		} catch (err) {
+			showError(err.message);
+		}
+	}
+
+	async function unset(zone, which, button) {
+		button.disabled = true;
+		try {
+			await call(overridesURL(zone) + '?' + new URLSearchParams(which), {method: 'DELETE'});
+			await refresh();
+		} catch (e) {
+			showError(e.message);
+			button.disabled = false;
+		}
 	}
 
 	function tick() {
@@ -215,8 +288,10 @@
 				if (prefix) q.set('q', prefix);
 				if (limitedOnly) q.set('limited', 'true');
 				renderKeys(await call(api + encodeURIComponent(selected) + '?' + q));
+				renderOverrides(await call(overridesURL(selected)));
 			} else {
 				byId('offenders').hidden = true;
+				byId('overrides').hidden = true;
 			}
 			showError('');
 			byId('updated').textContent = 'updated ' + new Date().toLocaleTimeString();
@@ -228,6 +303,7 @@
 	}
 
 	byId('filter').addEventListener('submit', (e) => e.preventDefault());
+	byId('override-form').addEventListener('submit', setOverride);
 	byId('prefix').addEventListener('input', (e) => { prefix = e.target.value; refresh(); });
 	byId('limited').addEventListener('change', (e) => { limitedOnly = e.target.checked; refresh(); });
 	byId('order').addEventListener('change', (e) => { order = e.target.value; refresh(); });
