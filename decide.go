@@ -118,6 +118,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		exceeded:  !allowed,
 	}
 	if !allowed {
+		st.placeholders.violated = rl.violatedOf(of[:n], out[:n])
 		rl.refused(checks[:n], of[:n], out[:n], now)
 	}
 	ws := isWebSocket(r)
@@ -141,7 +142,8 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 			wait = max(wait, out[i].RetryAfter) // until every refusing limit admits
 		}
 	}
-	text.vals[5] = text.number(max(ceilSeconds(int64(wait)), 1))
+	st.placeholders.retryAfter = max(ceilSeconds(int64(wait)), 1)
+	text.vals[5] = text.number(st.placeholders.retryAfter)
 	w.Header()["Retry-After"] = text.vals[5:6:6]
 	if ws && rl.refuseWebSocket(w, r) {
 		return nil

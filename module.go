@@ -257,6 +257,9 @@ type RateLimit struct {
 	defaultPlan   *plan
 	plans         map[string]*plan
 	overridePlans *overridePlans // built in Provision
+	// violated caches the text of each set of refusing limits (a bit
+	// mask of policies → *violatedText), built at its first refusal.
+	violated *sync.Map
 	// countStatus is set when a limit counts by response status.
 	countStatus bool
 	costWarned  *atomic.Bool // set once a bad cost value has been logged
@@ -383,8 +386,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		}
 		rl.waitRoom = &waitRoom{byKey: map[string]int{}, perKey: rl.DelayPerKey, cap: rl.DelayTotal}
 	}
-	rl.buildPlans()
-	rl.overridePlans = new(overridePlans)
+	rl.overridePlans, rl.violated = new(overridePlans), new(sync.Map)
 	rl.warnClientPlan()
 	rl.legacyHeaders = rl.Headers == HeadersLegacy || rl.Headers == HeadersBoth
 	rl.ietfHeaders = rl.Headers == HeadersIETF || rl.Headers == HeadersBoth
@@ -430,6 +432,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		rl.policies[i].check.Slot = held.limits[i].slot
 		rl.policies[i].check.Limit.Since = held.limits[i].limit.Since
 	}
+	rl.buildPlans() // copies of the policies, each with its slot and window start
 	rl.holdID, rl.cuts, rl.cutShared = held.id, held.cuts, nil
 	if len(held.cuts) > 0 {
 		rl.cutShared = new(sync.Once)

@@ -23,7 +23,43 @@ type placeholders struct {
 	zone, plan, policy, limit, reset any // boxed once per limit or plan
 	key                              string
 	remaining                        int
+	retryAfter                       int64 // Retry-After's seconds on a refusal; 0 otherwise
 	exceeded                         bool
+	violated                         *violatedText // the limits that refused; nil when none did
+}
+
+// violatedText names the limits that refused a request, as the
+// placeholders give them: "api,hourly" and ["api","hourly"]. Limit names
+// are letters, digits and _ - . : (a zone's name), so they need no
+// escaping in JSON.
+type violatedText struct {
+	list, json any // boxed once
+}
+
+// noneViolated is violatedText for an admitted request.
+var noneViolated = &violatedText{list: "", json: "[]"}
+
+// violatedOf returns the text naming the limits whose verdicts in out
+// refused (of gives each verdict's policy), built once per set of limits.
+func (rl *RateLimit) violatedOf(of []int, out []limiter.Verdict) *violatedText {
+	var mask uint32
+	for i := range out {
+		if !out[i].Allowed {
+			mask |= 1 << of[i]
+		}
+	}
+	if v, ok := rl.violated.Load(mask); ok {
+		return v.(*violatedText)
+	}
+	var names []string
+	for i := range rl.policies {
+		if mask&(1<<i) != 0 {
+			names = append(names, rl.policies[i].name)
+		}
+	}
+	v := &violatedText{list: strings.Join(names, ","), json: `["` + strings.Join(names, `","`) + `"]`}
+	rl.violated.Store(mask, v)
+	return v
 }
 
 // requestState is what the handler keeps for one request: its placeholders
@@ -125,8 +161,22 @@ func (p *placeholders) replace(key string) (any, bool) {
 		return p.reset, true
 	case "exceeded":
 		return p.exceeded, true
+	case "retry_after":
+		return p.retryAfter, true
+	case "violated":
+		return p.violatedText().list, true
+	case "violated_json":
+		return p.violatedText().json, true
 	}
 	return nil, false
+}
+
+// violatedText returns the text of the limits that refused the request.
+func (p *placeholders) violatedText() *violatedText {
+	if p.violated == nil {
+		return noneViolated
+	}
+	return p.violated
 }
 
 // setHeaders sets the quota headers of the configured mode for the limit

@@ -1,8 +1,10 @@
 package tests
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -100,4 +102,77 @@ func TestPlansEndToEnd(t *testing.T) {
 	// No key at all: missing reject.
 	resp, _ := s.get("/")
 	wantStatus(t, resp, http.StatusBadRequest)
+}
+
+// The handle_errors bodies of docs/plans.md through a real Caddy: a
+// request refused by two limits gets a JSON body naming its plan, both
+// limits and when to retry, and RFC 9457 problem details of the
+// quota-exceeded type; both parse as JSON and agree with the headers.
+func TestRefusalBodies(t *testing.T) {
+	zone := fresh("e2e-refusal-bodies")
+	s := startCaddy(t, "", fmt.Sprintf(`
+:$PORT {
+	map {http.request.header.X-API-Key} {plan} {
+		k-1 pro
+	}
+	rate_limit {
+		zone %s
+		key {http.request.header.X-API-Key}
+		window 60
+		max 1
+		limit hourly 1 1h
+		plan_by {plan}
+		plan pro {
+			max 2
+			limit hourly 2
+		}
+	}
+	respond "ok"
+	handle_errors 429 {
+		handle /problem {
+			header Content-Type application/problem+json
+			respond `+"`"+`{"type": "https://iana.org/assignments/http-problem-types#quota-exceeded", "title": "Request cannot be satisfied as assigned quota has been exceeded", "status": 429, "detail": "Plan {http.rate_limit.plan}: retry in {http.rate_limit.retry_after} seconds", "violated-policies": {http.rate_limit.violated_json}}`+"`"+` 429
+		}
+		handle {
+			header Content-Type application/json
+			respond `+"`"+`{"error": "rate_limited", "plan": "{http.rate_limit.plan}", "limit": "{http.rate_limit.policy}", "max": {http.rate_limit.limit}, "violated": {http.rate_limit.violated_json}, "retry_after": {http.rate_limit.retry_after}, "reset": {http.rate_limit.reset}, "upgrade": "https://example.com/pricing"}`+"`"+` 429
+		}
+	}
+}`, zone))
+	for range 2 {
+		if resp, _ := s.get("/", "X-API-Key", "k-1"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("k-1 within pro's 2: %d", resp.StatusCode)
+		}
+	}
+	resp, body := s.get("/", "X-API-Key", "k-1")
+	var got struct {
+		Error      string   `json:"error"`
+		Plan       string   `json:"plan"`
+		Limit      string   `json:"limit"`
+		Max        int      `json:"max"`
+		Violated   []string `json:"violated"`
+		RetryAfter int      `json:"retry_after"`
+		Reset      int64    `json:"reset"`
+		Upgrade    string   `json:"upgrade"`
+	}
+	if err := json.Unmarshal([]byte(body), &got); err != nil {
+		t.Fatalf("the refusal's body %q is not JSON: %v", body, err)
+	}
+	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Content-Type") != "application/json" ||
+		got.Plan != "pro" || got.Limit != "hourly" || got.Max != 2 || fmt.Sprint(got.Violated) != "["+zone+" hourly]" ||
+		got.RetryAfter != retry || retry < 3500 || got.Reset == 0 || got.Upgrade == "" {
+		t.Errorf("refusal: %d %s, Retry-After %q: %s %+v; want pro's hourly limit binding, both limits violated, retry as the header says",
+			resp.StatusCode, resp.Header.Get("Content-Type"), resp.Header.Get("Retry-After"), body, got)
+	}
+	resp, body = s.get("/problem", "X-API-Key", "k-1")
+	var problem map[string]any
+	if err := json.Unmarshal([]byte(body), &problem); err != nil {
+		t.Fatalf("the problem details %q are not JSON: %v", body, err)
+	}
+	if resp.Header.Get("Content-Type") != "application/problem+json" ||
+		problem["type"] != "https://iana.org/assignments/http-problem-types#quota-exceeded" || problem["status"] != 429.0 ||
+		fmt.Sprint(problem["violated-policies"]) != "["+zone+" hourly]" || problem["detail"] != "Plan pro: retry in "+resp.Header.Get("Retry-After")+" seconds" {
+		t.Errorf("problem details: %s %s", resp.Header.Get("Content-Type"), body)
+	}
 }
