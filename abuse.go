@@ -142,10 +142,11 @@ type AbuseControls struct {
 	CountStatus []string `json:"count_status,omitempty"`
 
 	// Cost is how many units of the quota a request spends: a whole
-	// number from 1 to 1000000000, or a placeholder evaluated per request
+	// number from 0 to 1000000000, or a placeholder evaluated per request
 	// (a value that is not such a number costs 1, and the first one is
 	// logged). A request that costs more than the quota left is refused
-	// and spends nothing. Default: 1.
+	// and spends nothing. A cost of 0 reads the quota without spending
+	// it: a route that tells a client what it has left. Default: 1.
 	Cost CostValue `json:"cost,omitempty"`
 
 	// Ban refuses a key that goes over the limit for this long from its
@@ -222,28 +223,28 @@ func join(what, opt string) string {
 
 // costOf sets up how a limit's cost is found: a constant, or a placeholder.
 func (p *policy) setCost(cost string) {
-	p.check.Cost = 1
+	p.check.Cost, p.check.Free = 1, false
 	if cost == "" {
 		return
 	}
 	if n, err := strconv.Atoi(cost); err == nil {
-		p.check.Cost = n
+		p.check.Cost, p.check.Free = n, n == 0
 		return
 	}
 	p.costKey = cost
 }
 
 // requestCost returns the cost of the request in this limit. A placeholder
-// that does not resolve to a whole number from 1 to MaxRequests costs 1,
-// and the first such value is logged.
+// that does not resolve to a whole number from 0 to MaxRequests (an empty
+// one included) costs 1, and the first such value is logged.
 func (rl *RateLimit) requestCost(p *policy, repl *caddy.Replacer) int {
 	v := repl.ReplaceAll(p.costKey, "")
 	n, err := strconv.Atoi(v)
-	if err == nil && n >= 1 && n <= MaxRequests {
+	if err == nil && n >= 0 && n <= MaxRequests {
 		return n
 	}
 	if rl.costWarned.CompareAndSwap(false, true) {
-		rl.logger.Warn("request cost is not a whole number from 1 to 1000000000; it costs 1 (logged once per config)",
+		rl.logger.Warn("request cost is not a whole number from 0 to 1000000000; it costs 1 (logged once per config)",
 			zap.String("zone", rl.Zone), zap.String("limit", p.name), zap.String("cost", p.costKey), zap.String("value", printableValue(v)))
 	}
 	return 1

@@ -58,7 +58,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		algorithm   fixed|sliding|gcra    # default fixed; gcra: a token bucket
 //		burst       <n>                   # gcra: requests at once from a full bucket; default max
 //		count_status <status>...          # only these responses count: 401, 4xx, 500-599
-//		cost        <n>|<placeholder>     # units a request spends; default 1
+//		cost        <n>|<placeholder>     # units a request spends, 0 to read the quota; default 1
 //		ban         <duration> [escalate [<longest>]] # refuse an offender this long; escalate doubles, default up to 24h
 //		delay       <duration>            # wait up to this long instead of refusing; at most 1m
 //		delay_per_key <n>                 # requests of one key waiting at once; default 4

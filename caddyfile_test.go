@@ -132,7 +132,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n delay 1ns\n}", `invalid delay 1ns: must be from 1ms to 1m0s`},
 		{"rate_limit {\n delay 999us\n}", `invalid delay 999µs: must be from 1ms to 1m0s`},
 		{"rate_limit {\n limit team 5 1m {\n  ban off\n  ban 1m\n }\n}", `option ban given twice`},
-		{"rate_limit {\n cost 0\n}", `invalid cost "0": must be a whole number from 1 to 1000000000, or a placeholder`},
+		{"rate_limit {\n cost -1\n}", `invalid cost "-1": must be a whole number from 0 to 1000000000, or a placeholder`},
 		{"rate_limit {\n cost lots\n}", `invalid cost "lots"`},
 		{"rate_limit {\n cost {http.request.header.X\n}", `invalid cost "{http.request.header.X": placeholder at offset 0 is not closed`},
 		{"rate_limit {\n ban\n}", `ban takes a duration`},

@@ -62,6 +62,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		}
 		if p.costKey != "" {
 			checks[n].Cost = rl.requestCost(p, repl)
+			checks[n].Free = checks[n].Cost == 0
 		}
 		n++
 	}

@@ -321,7 +321,7 @@ func checkBucket(what string, max int, window time.Duration, burst int) error {
 	return nil
 }
 
-// checkCost checks a cost: a whole number from 1 to MaxRequests, or a
+// checkCost checks a cost: a whole number from 0 to MaxRequests, or a
 // placeholder evaluated per request.
 func checkCost(what, v string) error {
 	if v == "" {
@@ -331,8 +331,8 @@ func checkCost(what, v string) error {
 		return checkKey(what, v)
 	}
 	n, err := strconv.Atoi(v)
-	if err != nil || n < 1 || n > MaxRequests {
-		return fmt.Errorf("invalid %s %q: must be a whole number from 1 to %d, or a placeholder", what, v, MaxRequests)
+	if err != nil || n < 0 || n > MaxRequests {
+		return fmt.Errorf("invalid %s %q: must be a whole number from 0 to %d, or a placeholder", what, v, MaxRequests)
 	}
 	return nil
 }

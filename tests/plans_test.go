@@ -7,6 +7,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
 // plansSite is the three layers of docs/plans.md, scaled down: a map from
@@ -174,5 +177,54 @@ func TestRefusalBodies(t *testing.T) {
 		problem["type"] != "https://iana.org/assignments/http-problem-types#quota-exceeded" || problem["status"] != 429.0 ||
 		fmt.Sprint(problem["violated-policies"]) != "["+zone+" hourly]" || problem["detail"] != "Plan pro: retry in "+resp.Header.Get("Retry-After")+" seconds" {
 		t.Errorf("problem details: %s %s", resp.Header.Get("Content-Type"), body)
+	}
+}
+
+// A route whose cost is 0 reads a client's quota without spending it, on
+// every store: its answers carry the quota headers, the count stays where
+// the priced route put it, and at the max it is still admitted. A cost
+// placeholder that resolves to 0 is a probe too; one that resolves empty
+// costs 1.
+func TestQuotaProbe(t *testing.T) {
+	srv := redistest.Start(t)
+	for _, store := range []struct{ name, block string }{
+		{"memory", ""},
+		{"redis", "store redis {\n\t\t\taddress " + srv.Addr + "\n\t\t}"},
+		{"sync", "store redis {\n\t\t\taddress " + srv.Addr + "\n\t\t\tsync 100ms\n\t\t}"},
+	} {
+		t.Run(store.name, func(t *testing.T) {
+			zone := fresh("e2e-quota-probe-" + store.name)
+			limit := fmt.Sprintf(`rate_limit {
+			zone %s
+			key {http.request.header.X-API-Key}
+			window 60
+			max 3
+			cost {cost}
+			%s
+		}`, zone, store.block)
+			s := startCaddy(t, "", fmt.Sprintf(`
+:$PORT {
+	map {path} {cost} {
+		/quota     0
+		/free-text ""
+		default    1
+	}
+	%s
+	respond "ok"
+}`, limit))
+			untilWindowLeft(time.Minute, 10*time.Second) // sync mode's windows follow the clock
+			remaining := func(path string) string {
+				resp, _ := s.get(path, "X-API-Key", "k-probe")
+				return fmt.Sprintf("%d %s", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
+			}
+			var got []string
+			for _, path := range []string{"/", "/quota", "/quota", "/free-text", "/quota", "/", "/quota", "/", "/quota"} {
+				got = append(got, path+" "+remaining(path))
+			}
+			want := "[/ 200 2 /quota 200 2 /quota 200 2 /free-text 200 1 /quota 200 1 / 200 0 /quota 200 0 / 429 0 /quota 200 0]"
+			if fmt.Sprint(got) != want {
+				t.Errorf("got %v\nwant %s", got, want)
+			}
+		})
 	}
 }

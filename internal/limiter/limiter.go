@@ -119,10 +119,14 @@ type Check struct {
 	Name  string
 	Key   string
 	Limit Limit
-	// Cost is how many units of the quota the request spends; 0 means 1.
-	// A request that costs more than the quota left is refused and spends
-	// nothing.
+	// Cost is how many units of the quota the request spends; 0 means 1
+	// unless Free is set. A request that costs more than the quota left
+	// is refused and spends nothing.
 	Cost int
+	// Free makes the request cost nothing (a cost of 0): it reads the
+	// key's quota without spending it, admitted unless the key is banned
+	// or already past its max (a plan lowered it).
+	Free bool
 	// NoBan keeps a refusal from starting a ban (Limit.Ban): other
 	// requests of the key hold units while they are served, and may give
 	// them back (count_status), or the handler only tries its limits (dry
@@ -131,8 +135,14 @@ type Check struct {
 	NoBan bool
 }
 
-// cost returns what the check spends when admitted: Cost, at least 1.
-func (c *Check) cost() int64 { return int64(max(c.Cost, 1)) }
+// cost returns what the check spends when admitted: 0 when Free, else
+// Cost, at least 1.
+func (c *Check) cost() int64 {
+	if c.Free {
+		return 0
+	}
+	return int64(max(c.Cost, 1))
+}
 
 // Verdict is a store's answer to one Hit: whether the request is admitted and
 // the quota figures the handler turns into response headers.

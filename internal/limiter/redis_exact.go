@@ -115,6 +115,9 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	cached := false
 	for i := range checks {
 		c := &checks[i]
+		if c.Free {
+			continue // at max it is admitted: Redis knows; the cache does not
+		}
 		if reset, pend, ok := s.refused.get(cacheKey(c.Name, c.Key), t, c); ok {
 			resets[i], pending[i], cached = reset, pend, true
 		}

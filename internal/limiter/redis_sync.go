@@ -476,6 +476,7 @@ func (s *SyncStore) Decide(ctx context.Context, checks []Check, now time.Time, o
 		c, e := &checks[i], es[i]
 		if admit {
 			e.mine += c.cost()
+			out[i].Remaining = max(out[i].Remaining-int(c.cost()), 0) // what is left after this request, as the other stores say
 		} else if !out[i].Allowed {
 			e.refused++
 			out[i].FirstRefusal = !e.refusedAny
