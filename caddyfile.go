@@ -29,7 +29,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //
 //	rate_limit [<matcher>] {
 //		zone        <name>                # default "default"; handlers naming one zone share its counters
-//		window      <duration>            # default 1m; a bare integer is seconds   (alias: windowS)
+//		window      <duration>|<calendar> # default 1m; a bare integer is seconds   (alias: windowS)
+//		                                  # calendar: hour, day, week, month, from :00, midnight, Monday, the 1st
+//		time_zone   <IANA name>           # of calendar windows; default UTC
 //		max         <n>                   # default 300 requests per key per window
 //		max_tracked <n>                   # default 100000, at least 1000           (alias: maxTracked)
 //		key         <placeholder>         # default: the client IP ({client_ip})
@@ -41,7 +43,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		ws_reject   close|status          # default close: 1013 Try Again Later; status: 429
 //		ws_lease_ttl <duration>           # Redis zones: a dead instance's sockets lapse after it; default 30s
 //		missing     ip|reject|<value>     # when key resolves empty; default ip
-//		limit <name> <max> <window> [{    # repeatable: more limits, all judged at once
+//		limit <name> <max> <window>|<calendar> [{ # repeatable: more limits, all judged at once
 //			key     <placeholder>         # default: the handler's key
 //			missing ip|reject|<value>     # default ip
 //			count_status <status>...|all  # default: the handler's; so are cost, ban and burst
@@ -150,7 +152,13 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "plan_by":
 			rl.PlanBy = val
 		case "window":
+			if calendarWindow(val) != 0 {
+				rl.Calendar = val
+				break
+			}
 			rl.Window, err = parseWindow(d, opt, val, true)
+		case "time_zone":
+			rl.TimeZone = val
 		case "windowS":
 			rl.Window, err = parseWindow(d, opt, val, false)
 		case "max":
@@ -218,7 +226,9 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 	if l.Max, err = parseInt(d, "limit "+args[0]+" max", args[1], 1); err != nil {
 		return err
 	}
-	if l.Window, err = parseWindow(d, "limit "+args[0]+" window", args[2], true); err != nil {
+	if calendarWindow(args[2]) != 0 {
+		l.Calendar = args[2]
+	} else if l.Window, err = parseWindow(d, "limit "+args[0]+" window", args[2], true); err != nil {
 		return err
 	}
 	seen := options{}

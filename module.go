@@ -3,6 +3,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -113,6 +114,18 @@ type RateLimit struct {
 	// Max is the number of requests admitted per key per window. From 1 to
 	// 1000000000. Default: 300 (0 in JSON means the default).
 	Max int `json:"max,omitempty"`
+
+	// Calendar aligns the first limit's windows to the calendar in
+	// TimeZone: "hour" (from :00), "day" (from midnight), "week" (from
+	// Monday) or "month" (from the 1st), fixed windows whatever the length
+	// of the day or month. Window is then the unit's nominal length (1h,
+	// 24h, 168h, 744h), and may be left out. The Caddyfile writes it as
+	// "window hour". Default: windows that start at a key's request.
+	Calendar string `json:"calendar,omitempty"`
+
+	// TimeZone is the time zone of calendar windows, an IANA name such as
+	// "Europe/Berlin". Default: UTC.
+	TimeZone string `json:"time_zone,omitempty"`
 
 	// MaxTracked bounds the memory a zone uses: at most this many keys are
 	// tracked (a key of up to 15 bytes, such as an IPv4 address, takes
@@ -315,7 +328,12 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		rl.Zone = DefaultZone
 	}
 	if rl.Window == 0 {
-		rl.Window = caddy.Duration(DefaultWindow)
+		rl.Window = caddy.Duration(cmp.Or(calendarWindow(rl.Calendar), DefaultWindow))
+	}
+	for i := range rl.Limits {
+		if l := &rl.Limits[i]; l.Window == 0 {
+			l.Window = caddy.Duration(calendarWindow(l.Calendar))
+		}
 	}
 	if rl.Max == 0 {
 		rl.Max = DefaultMax
@@ -352,7 +370,8 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	case AlgorithmGCRA:
 		algo = limiter.GCRA
 	}
-	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Algorithm: algo}
+	loc, _ := rl.timeZone() // check refused a bad one
+	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Algorithm: algo, Calendar: calendarOf(rl.Calendar, loc)}
 	rl.policies = []policy{newPolicy(rl.Zone, "", first, rl.Key, rl.Missing)}
 	rl.policies[0].setAbuse(rl.AbuseControls)
 	for _, l := range rl.Limits {
@@ -360,7 +379,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		if key == "" {
 			key = rl.Key
 		}
-		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Algorithm: algo}
+		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Algorithm: algo, Calendar: calendarOf(l.Calendar, loc)}
 		p := newPolicy(l.Name, l.Name, lim, key, l.Missing)
 		p.setAbuse(l.abuse(rl.AbuseControls))
 		rl.policies = append(rl.policies, p)
@@ -481,7 +500,7 @@ func (rl *RateLimit) poolKey() string {
 func (rl *RateLimit) sharedSettings() string {
 	limits := make([]string, len(rl.Limits))
 	for i, l := range rl.Limits {
-		limits[i] = fmt.Sprintf("%s:%d/%s", l.Name, l.Max, time.Duration(l.Window)) + l.abuse(rl.AbuseControls).shared()
+		limits[i] = fmt.Sprintf("%s:%d/%s%s", l.Name, l.Max, time.Duration(l.Window), l.Calendar) + l.abuse(rl.AbuseControls).shared()
 	}
 	algorithm := rl.Algorithm
 	if algorithm == "" {
@@ -489,6 +508,9 @@ func (rl *RateLimit) sharedSettings() string {
 	}
 	s := fmt.Sprintf("window=%s max=%d%s limits=[%s] algorithm=%s max_tracked=%d gc_interval=%s enabled=%t dry_run=%t store=%s",
 		time.Duration(rl.Window), rl.Max, rl.AbuseControls.shared(), strings.Join(limits, " "), algorithm, rl.MaxTracked, time.Duration(rl.GCInterval), rl.isEnabled(), rl.DryRun, rl.Store.describe())
+	if rl.Calendar != "" || rl.TimeZone != "" {
+		s += fmt.Sprintf(" calendar=%s time_zone=%s", rl.Calendar, rl.TimeZone)
+	}
 	if len(rl.Plans) > 0 {
 		plans, _ := json.Marshal(rl.Plans) // sorted by name
 		s += fmt.Sprintf(" plan_by=%s plans=%s", rl.PlanBy, plans)

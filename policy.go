@@ -43,8 +43,14 @@ type PolicyConfig struct {
 	Max int `json:"max"`
 
 	// Window is the length of the limit's window, whole seconds from 1s to
-	// 366 days.
-	Window caddy.Duration `json:"window"`
+	// 366 days; with Calendar, it may be left out.
+	Window caddy.Duration `json:"window,omitempty"`
+
+	// Calendar aligns the limit's windows to the calendar in the
+	// handler's TimeZone, as the handler's Calendar does for its first
+	// limit ("hour", "day", "week" or "month"; Window may then be left
+	// out).
+	Calendar string `json:"calendar,omitempty"`
 
 	// Key is a placeholder that names what the limit counts, such as
 	// "{http.request.header.X-Tenant}". Default: the handler's key.

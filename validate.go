@@ -68,6 +68,7 @@ func (rl *RateLimit) check() error {
 	}
 	errs = append(errs, rl.checkLimits()...)
 	errs = append(errs, rl.checkPlans()...)
+	errs = append(errs, rl.checkCalendars()...)
 	return errors.Join(errs...)
 }
 
@@ -185,7 +186,7 @@ func (rl *RateLimit) checkLimits() []error {
 		if l.Max < 1 || l.Max > MaxRequests {
 			errs = append(errs, fmt.Errorf("invalid %s max %d: must be from 1 to %d", what, l.Max, MaxRequests))
 		}
-		if err := checkWindow(what+" window", time.Duration(l.Window)); err != nil {
+		if err := checkWindow(what+" window", cmp.Or(time.Duration(l.Window), calendarWindow(l.Calendar))); err != nil {
 			errs = append(errs, err)
 		}
 		if err := checkKey(what+" key", l.Key); err != nil {

@@ -39,6 +39,11 @@ type Limit struct {
 	// BanMax, when above Ban, escalates bans: each violation within a day
 	// of the key's previous one doubles its ban, up to BanMax.
 	BanMax time.Duration
+	// Calendar, when set, aligns the limit's windows (fixed ones only) to
+	// the calendar: each ends at Calendar.End, and Window is the longest
+	// such window's nominal length. Nil: a window runs from a key's
+	// request for Window.
+	Calendar *Calendar
 }
 
 // BanStrikeMemory is how long a key's violations count towards an
@@ -73,8 +78,12 @@ func (l *Limit) burst() int64 {
 
 // End returns when a window that would end at reset (Unix nanoseconds) ends
 // under l at t. Only a window begun under a longer Window, one that would
-// end more than a Window after t, is cut short.
+// end more than a Window after t, is cut short; a calendar window, one that
+// would end past the calendar window holding t.
 func (l Limit) End(reset, t int64) int64 {
+	if l.Calendar != nil {
+		return min(reset, l.Calendar.End(t)) // never past the calendar window holding t
+	}
 	if reset-t <= int64(l.Window) {
 		return reset
 	}
@@ -88,6 +97,18 @@ func (l Limit) cutoff(t int64) int64 {
 		return t + int64(l.Window)
 	}
 	return l.Since.UnixNano() + int64(l.Window)
+}
+
+// windowArgs returns, for a Redis script, the window in milliseconds and the
+// cutoff (cutoffIn) at now; for a calendar window both are what is left of
+// the calendar window holding now, at least 1ms, so that the count key
+// expires at the calendar's boundary.
+func (l Limit) windowArgs(now time.Time) (window, cutoff int64) {
+	if l.Calendar != nil {
+		left := max((l.Calendar.End(now.UnixNano())-now.UnixNano()+int64(time.Millisecond)-1)/int64(time.Millisecond), 1)
+		return left, left
+	}
+	return l.Window.Milliseconds(), l.cutoffIn(now).Milliseconds()
 }
 
 // cutoffIn is cutoff as a time left from now, at most Window; it uses the

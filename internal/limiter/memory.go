@@ -367,6 +367,9 @@ func (s *MemoryStore) judge(sh *memShard, c *Check, e *memEntry, found bool, t i
 	switch {
 	case !found:
 		*e = memEntry{reset: t + int64(c.Limit.Window)}
+		if c.Limit.Calendar != nil {
+			e.reset = c.Limit.Calendar.End(t)
+		}
 		if c.Limit.GCRA() {
 			e.reset = t // a full bucket
 		} else if c.Limit.Sliding() {

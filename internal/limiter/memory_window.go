@@ -38,6 +38,9 @@ func (e *memEntry) roll(t int64, l *Limit) {
 	} else {
 		e.prev = 0
 		e.reset = t + w
+		if l.Calendar != nil {
+			e.reset = l.Calendar.End(t)
+		}
 	}
 	e.count, e.refused = 0, 0
 	e.span = 0

@@ -236,7 +236,8 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 			mode = 1
 		}
 		a := args[7*i : 7*i+7]
-		a[0], a[1], a[2], a[3] = c.Limit.Max, c.Limit.Window.Milliseconds(), c.Limit.cutoffIn(now).Milliseconds(), mode
+		window, cutoff := c.Limit.windowArgs(now)
+		a[0], a[1], a[2], a[3] = c.Limit.Max, window, cutoff, mode
 		a[4], a[5], a[6] = c.cost(), burst, ""
 		if c.Limit.Ban > 0 {
 			noBan := ":0"
@@ -268,6 +269,11 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 		c := &checks[i]
 		r := res[7*i : 7*i+7]
 		left := time.Duration(r[2]) * time.Millisecond
+		if c.Limit.Calendar != nil {
+			// The key expires at the calendar's boundary, give or take
+			// the milliseconds the round trip took: it ends there.
+			left = min(left, time.Duration(c.Limit.Calendar.End(now.UnixNano())-now.UnixNano()))
+		}
 		v := Verdict{
 			Allowed:   r[0] == 1 && r[6] <= 0,
 			Max:       c.Limit.Max,
@@ -339,13 +345,16 @@ func (s *RedisStore) fixedCmd(c *Check, now time.Time) []any {
 	k = append(append(k, k[:n-1]...), 'r')
 	keys := unsafe.String(unsafe.SliceData(k), len(k)) // k is not written again
 	b := s.boxedLimit(&c.Limit)
-	var cutoff any = b.windowAny
-	if ms := c.Limit.cutoffIn(now).Milliseconds(); ms != b.window {
+	window, cutoff := b.windowAny, b.windowAny
+	if c.Limit.Calendar != nil {
+		w, _ := c.Limit.windowArgs(now) // what is left of the calendar window
+		window, cutoff = w, w
+	} else if ms := c.Limit.cutoffIn(now).Milliseconds(); ms != b.window {
 		cutoff = ms // a reload shortened the window
 	}
 	a := new(fixedArgs)
 	a.keys = [2]string{keys[:n], keys[n:]}
-	a.args = [...]any{"evalsha", fixedHash, 2, &a.keys[0], &a.keys[1], b.maxAny, b.windowAny, cutoff, c.cost()}
+	a.args = [...]any{"evalsha", fixedHash, 2, &a.keys[0], &a.keys[1], b.maxAny, window, cutoff, c.cost()}
 	return a.args[:]
 }
 

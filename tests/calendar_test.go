@@ -1,0 +1,84 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// calendarSite limits each X-Client to 2 requests an hour, from :00 to
+// :00, with the store block store ("" for memory).
+func calendarSite(zone, store string) string {
+	return fmt.Sprintf(`
+:$PORT {
+	rate_limit {
+		zone %s
+		key {http.request.header.X-Client}
+		window hour
+		max 2
+		%s
+	}
+	respond "ok"
+}`, zone, store)
+}
+
+// An hourly calendar window refuses until the next :00, and says so in
+// Retry-After and X-RateLimit-Reset; at :00 a new window admits again.
+func TestCalendarHourEndToEnd(t *testing.T) {
+	zone := fresh("e2e-calendar")
+	clk := fakeClock(t, zone)
+	next := clk.Now().UTC().Truncate(time.Hour).Add(2 * time.Hour) // a :00 ahead (the clock never goes back)
+	clk.Set(next.Add(-30 * time.Second))
+	s := startCaddy(t, "", calendarSite(zone, ""))
+	for range 2 {
+		if resp, _ := s.get("/", "X-Client", "c1"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("within the hour's 2: %d", resp.StatusCode)
+		}
+	}
+	resp, _ := s.get("/", "X-Client", "c1")
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "30" || resp.Header.Get("X-RateLimit-Reset") != strconv.FormatInt(next.Unix(), 10) {
+		t.Fatalf("the third at :59:30: %d, Retry-After %q, X-RateLimit-Reset %q; want 429 until %s",
+			resp.StatusCode, resp.Header.Get("Retry-After"), resp.Header.Get("X-RateLimit-Reset"), next.Format(time.RFC3339))
+	}
+	clk.Advance(30 * time.Second)
+	resp, _ = s.get("/", "X-Client", "c1")
+	if resp.StatusCode != http.StatusOK || resp.Header.Get("X-RateLimit-Reset") != strconv.FormatInt(next.Unix()+3600, 10) || resp.Header.Get("X-RateLimit-Remaining") != "1" {
+		t.Errorf("at :00: %d, X-RateLimit-Reset %q, remaining %q; want a new window to 16:00", resp.StatusCode, resp.Header.Get("X-RateLimit-Reset"), resp.Header.Get("X-RateLimit-Remaining"))
+	}
+}
+
+// On Redis the window's end travels with the count: the count key expires
+// at the next :00, whichever instance began it.
+func TestCalendarHourRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	zone := fresh("e2e-calendar-redis")
+	s := startCaddy(t, "", calendarSite(zone, "store redis {\n\t\t\taddress "+srv.Addr+"\n\t\t}"))
+	untilWindowLeft(time.Hour, 10*time.Second) // not across an hour's end
+	for range 2 {
+		if resp, _ := s.get("/", "X-Client", "c1"); resp.StatusCode != http.StatusOK {
+			t.Fatalf("within the hour's 2: %d", resp.StatusCode)
+		}
+	}
+	resp, _ := s.get("/", "X-Client", "c1")
+	now := time.Now()
+	next := now.Truncate(time.Hour).Add(time.Hour)
+	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	left := int(next.Sub(now) / time.Second)
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("X-RateLimit-Reset") != strconv.FormatInt(next.Unix(), 10) || retry < left-2 || retry > left+1 {
+		t.Fatalf("the third: %d, Retry-After %d, X-RateLimit-Reset %q; want 429 until %s (%d s)",
+			resp.StatusCode, retry, resp.Header.Get("X-RateLimit-Reset"), next.Format(time.RFC3339), left)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	ttl, err := rdb.PTTL(context.Background(), "caddy_rate_limit:"+zone+":{key:c1}:c").Result()
+	if err != nil || ttl < time.Duration(left-2)*time.Second || ttl > time.Duration(left+1)*time.Second {
+		t.Errorf("the count key expires in %s (%v), want at the next :00, %d s on", ttl, err, left)
+	}
+}
