@@ -27,7 +27,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	repl := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	ipKey := rl.ipKey(ip)
 	checks, of, out := &d.checks, &d.of, &d.out
-	pl := rl.planOf(repl)
+	pl := rl.planOf(repl, r.Header, vars)
 	now := rl.zone.clock.Now()
 	if rl.zone.overrides.table.Load() != nil {
 		if o := rl.overridePlan(repl, r.Header, ipKey, now); o != nil {

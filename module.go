@@ -269,6 +269,9 @@ type RateLimit struct {
 	// (nil without plans).
 	defaultPlan   *plan
 	plans         map[string]*plan
+	// planHeader and planVar are where PlanBy reads the plan when it is
+	// exactly a request header's placeholder or a variable's; "" else.
+	planHeader, planVar string
 	overridePlans *overridePlans // built in Provision
 	// violated caches the text of each set of refusing limits (a bit
 	// mask of policies → *violatedText), built at its first refusal.

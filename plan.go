@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"cmp"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"time"
@@ -67,6 +68,7 @@ type plan struct {
 func (rl *RateLimit) buildPlans() {
 	rl.defaultPlan = newPlan(DefaultPlan, rl.policies)
 	rl.plans = nil
+	rl.planSource()
 	if len(rl.Plans) == 0 {
 		return
 	}
@@ -114,16 +116,47 @@ func (p *policy) applyPlan(pl PlanLimit) {
 	}
 }
 
-// planOf returns the plan of the request whose replacer is repl: the one
-// PlanBy names, else the default plan.
-func (rl *RateLimit) planOf(repl *caddy.Replacer) *plan {
+// planOf returns the plan of the request whose replacer is repl, header h
+// and variables vars: the one PlanBy names, else the default plan.
+func (rl *RateLimit) planOf(repl *caddy.Replacer, h http.Header, vars map[string]any) *plan {
 	if rl.plans == nil {
 		return rl.defaultPlan
 	}
-	if p := rl.plans[repl.ReplaceKnown(rl.PlanBy, "")]; p != nil {
+	if p := rl.plans[rl.planName(repl, h, vars)]; p != nil {
 		return p
 	}
 	return rl.defaultPlan
+}
+
+// planName returns the plan name PlanBy gives the request: read straight
+// from the header or the variable it names (as Caddy's placeholder
+// resolves a header, its values joined with commas), without the
+// replacer's providers and their boxing, else through the replacer.
+func (rl *RateLimit) planName(repl *caddy.Replacer, h http.Header, vars map[string]any) string {
+	if rl.planHeader != "" {
+		return strings.Join(h[rl.planHeader], ",")
+	}
+	if rl.planVar != "" {
+		if v, ok := vars[rl.planVar].(string); ok {
+			return v
+		}
+	}
+	return repl.ReplaceKnown(rl.PlanBy, "")
+}
+
+// varsPrefix opens the placeholder of one of the request's variables.
+const varsPrefix = "{http.vars."
+
+// planSource sets where planOf reads the plan name: a request header, or
+// one of the request's variables (set by vars or map), when PlanBy is
+// exactly its placeholder.
+func (rl *RateLimit) planSource() {
+	rl.planHeader, rl.planVar = requestHeaderOf(rl.PlanBy), ""
+	if name, ok := strings.CutPrefix(rl.PlanBy, varsPrefix); ok {
+		if name, ok = strings.CutSuffix(name, "}"); ok && name != "" && !strings.ContainsAny(name, "{}\\") {
+			rl.planVar = name
+		}
+	}
 }
 
 // warnClientPlan logs, at load, that clients choose their own plan when

@@ -176,3 +176,39 @@ func TestPlanByHeaderWarns(t *testing.T) {
 		t.Fatalf("%d warnings naming plan_by, want 1: %v", n, logs.All())
 	}
 }
+
+// The plan name is read as Caddy's placeholder gives it, whether planOf
+// reads it straight (a header, a string variable) or asks the replacer.
+func TestPlanName(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		planBy string
+		header http.Header
+		vars   map[string]any
+		want   string
+	}{
+		{"{http.request.header.X-Plan}", http.Header{"X-Plan": {"pro", "free"}}, nil, "pro,free"},
+		{"{http.request.header.x-plan}", http.Header{"X-Plan": {"pro"}}, nil, "pro"},
+		{"{http.vars.plan}", nil, map[string]any{"plan": "pro"}, "pro"},
+		{"{http.vars.plan}", nil, map[string]any{"plan": 7}, "7"},
+		{"{http.vars.plan}", nil, map[string]any{}, ""},
+		{"{http.vars.tier}-{http.vars.plan}", nil, map[string]any{"plan": "pro", "tier": "eu"}, "eu-pro"},
+	} {
+		rl := &RateLimit{PlanBy: tc.planBy}
+		rl.planSource()
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.Header = tc.header
+		if r.Header == nil {
+			r.Header = http.Header{}
+		}
+		vars := tc.vars
+		if vars == nil {
+			vars = map[string]any{}
+		}
+		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, vars))
+		repl := caddyhttp.NewTestReplacer(r)
+		if got := rl.planName(repl, r.Header, vars); got != tc.want {
+			t.Errorf("plan_by %s: %q, want %q", tc.planBy, got, tc.want)
+		}
+	}
+}
