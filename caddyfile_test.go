@@ -134,7 +134,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n limit team 5 1m {\n  ban off\n  ban 1m\n }\n}", `option ban given twice`},
 		{"rate_limit {\n cost -1\n}", `invalid cost "-1": must be a whole number from 0 to 1000000000, or a placeholder`},
 		{"rate_limit {\n cost lots\n}", `invalid cost "lots"`},
-		{"rate_limit {\n window hour\n algorithm sliding\n}", `invalid window calendar "hour" with algorithm sliding: a calendar window is a fixed window`},
+		{"rate_limit {\n window hour\n algorithm gcra\n}", `invalid window calendar "hour" with algorithm gcra: a GCRA bucket has no window to align`},
 		{"rate_limit {\n window day\n time_zone Mars/Olympus\n}", `invalid time_zone "Mars/Olympus"`},
 		{"rate_limit {\n time_zone Europe/Berlin\n}", `invalid time_zone "Europe/Berlin": no limit has a calendar window`},
 		{"rate_limit {\n limit monthly 100 month\n store redis {\n  address 127.0.0.1:6379\n  sync 1s\n }\n}", `invalid limit "monthly" calendar "month" with sync 1s: sync mode's windows are aligned to the epoch`},

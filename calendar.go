@@ -12,7 +12,8 @@ import (
 // "month" counts from one calendar boundary to the next in the handler's
 // time zone (an hour from :00, a day from midnight, a week from Monday, a
 // month from the 1st), so that "50 an hour, retry at 15:00" and a monthly
-// quota are exact. They are fixed windows.
+// quota are exact: fixed windows, or sliding ones that weigh the calendar
+// window before.
 
 // Calendar units, as window and limit take them.
 const (
@@ -80,8 +81,8 @@ func (rl *RateLimit) checkCalendars() []error {
 			errs = append(errs, fmt.Errorf("invalid %s calendar %q: must be hour, day, week or month", what, calendar))
 		case window != 0 && window != nominal:
 			errs = append(errs, fmt.Errorf("invalid %s calendar %q with window %s: a calendar window's length is the calendar's; give one or the other", what, calendar, window))
-		case rl.Algorithm != "" && rl.Algorithm != AlgorithmFixed:
-			errs = append(errs, fmt.Errorf("invalid %s calendar %q with algorithm %s: a calendar window is a fixed window", what, calendar, rl.Algorithm))
+		case rl.Algorithm == AlgorithmGCRA:
+			errs = append(errs, fmt.Errorf("invalid %s calendar %q with algorithm %s: a GCRA bucket has no window to align", what, calendar, rl.Algorithm))
 		case rl.Store.isRedis() && rl.Store.Sync != 0 && (calendar == CalendarWeek || calendar == CalendarMonth || (rl.TimeZone != "" && rl.TimeZone != DefaultTimeZone)):
 			errs = append(errs, fmt.Errorf("invalid %s calendar %q with sync %s: sync mode's windows are aligned to the epoch, which is the calendar's for an hour or a day in UTC only", what, calendar, time.Duration(rl.Store.Sync)))
 		}

@@ -117,10 +117,11 @@ type RateLimit struct {
 
 	// Calendar aligns the first limit's windows to the calendar in
 	// TimeZone: "hour" (from :00), "day" (from midnight), "week" (from
-	// Monday) or "month" (from the 1st), fixed windows whatever the length
-	// of the day or month. Window is then the unit's nominal length (1h,
-	// 24h, 168h, 744h), and may be left out. The Caddyfile writes it as
-	// "window hour". Default: windows that start at a key's request.
+	// Monday) or "month" (from the 1st), whatever the length of the day
+	// or month; fixed or sliding, not gcra. Window is then the unit's
+	// nominal length (1h, 24h, 168h, 744h), and may be left out. The
+	// Caddyfile writes it as "window hour". Default: windows that start
+	// at a key's request.
 	Calendar string `json:"calendar,omitempty"`
 
 	// TimeZone is the time zone of calendar windows, an IANA name such as
@@ -267,12 +268,12 @@ type RateLimit struct {
 	policies []policy // the first limit, then Limits: the default plan's
 	// defaultPlan is the handler's own values; plans the others, by name
 	// (nil without plans).
-	defaultPlan   *plan
-	plans         map[string]*plan
+	defaultPlan *plan
+	plans       map[string]*plan
 	// planHeader and planVar are where PlanBy reads the plan when it is
 	// exactly a request header's placeholder or a variable's; "" else.
 	planHeader, planVar string
-	overridePlans *overridePlans // built in Provision
+	overridePlans       *overridePlans // built in Provision
 	// violated caches the text of each set of refusing limits (a bit
 	// mask of policies → *violatedText), built at its first refusal.
 	violated *sync.Map

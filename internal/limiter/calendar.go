@@ -27,7 +27,14 @@ type Calendar struct {
 }
 
 // End returns when the calendar window holding t (Unix nanoseconds) ends.
-func (c *Calendar) End(t int64) int64 {
+func (c *Calendar) End(t int64) int64 { return c.bound(t, 1) }
+
+// Start returns when the calendar window holding t began.
+func (c *Calendar) Start(t int64) int64 { return c.bound(t, 0) }
+
+// bound returns the start of the calendar window holding t, or with next
+// 1 the start of the one after it.
+func (c *Calendar) bound(t int64, next int) int64 {
 	at := time.Unix(0, t).In(c.Loc)
 	switch c.Unit {
 	case CalendarHour:
@@ -35,18 +42,18 @@ func (c *Calendar) End(t int64) int64 {
 		// half hour off UTC has its hours at :30 UTC. Offsets change by
 		// whole hours at DST, so the hours stay an hour long.
 		_, off := at.Zone()
-		h := int64(time.Hour)
-		local := t + int64(off)*int64(time.Second)
-		return local - local%h + h - int64(off)*int64(time.Second)
+		h, o := int64(time.Hour), int64(off)*int64(time.Second)
+		local := t + o
+		return local - ((local%h)+h)%h + int64(next)*h - o
 	case CalendarDay:
 		y, m, d := at.Date()
-		return time.Date(y, m, d+1, 0, 0, 0, 0, c.Loc).UnixNano()
+		return time.Date(y, m, d+next, 0, 0, 0, 0, c.Loc).UnixNano()
 	case CalendarWeek:
 		y, m, d := at.Date()
 		days := (int(at.Weekday()) + 6) % 7 // since Monday
-		return time.Date(y, m, d-days+7, 0, 0, 0, 0, c.Loc).UnixNano()
+		return time.Date(y, m, d-days+7*next, 0, 0, 0, 0, c.Loc).UnixNano()
 	default:
 		y, m, _ := at.Date()
-		return time.Date(y, m+1, 1, 0, 0, 0, 0, c.Loc).UnixNano()
+		return time.Date(y, m+time.Month(next), 1, 0, 0, 0, 0, c.Loc).UnixNano()
 	}
 }

@@ -58,3 +58,25 @@ func TestMemoryCalendarWindow(t *testing.T) {
 		t.Fatalf("at 15:00: %+v, want admitted in the window to 16:00", v)
 	}
 }
+
+// A sliding calendar window weighs the calendar window before by what is
+// left of this one, whatever their lengths: 10 spent in February (28
+// days), 14 days into March (31) weigh 10 × 17/31.
+func TestMemoryCalendarSliding(t *testing.T) {
+	t.Parallel()
+	s := NewMemoryStore(100)
+	lim := Limit{Window: 31 * 24 * time.Hour, Max: 10, Algorithm: SlidingWindow, Calendar: &Calendar{Unit: CalendarMonth, Loc: time.UTC}}
+	feb, _ := time.Parse(time.RFC3339, "2026-02-20T00:00:00Z")
+	for range 10 {
+		hit(t, s, "k", feb, lim)
+	}
+	if v := hit(t, s, "k", feb, lim); v.Allowed || v.Reset.UTC().Format(time.RFC3339) != "2026-03-01T00:00:00Z" {
+		t.Fatalf("the 11th in February: %+v, want refused, the window ending on March 1", v)
+	}
+	mar := time.Date(2026, 3, 15, 0, 0, 0, 0, time.UTC) // 17 of 31 days left
+	v := hit(t, s, "k", mar, lim)
+	// 10 × 17/31 = 5.48 held, so 4 fit and this is the first.
+	if !v.Allowed || v.Remaining != 3 || v.Reset.UTC().Format(time.RFC3339) != "2026-04-01T00:00:00Z" {
+		t.Fatalf("on March 15: %+v, want admitted with 3 left, the window ending on April 1", v)
+	}
+}

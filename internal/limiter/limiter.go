@@ -39,10 +39,9 @@ type Limit struct {
 	// BanMax, when above Ban, escalates bans: each violation within a day
 	// of the key's previous one doubles its ban, up to BanMax.
 	BanMax time.Duration
-	// Calendar, when set, aligns the limit's windows (fixed ones only) to
-	// the calendar: each ends at Calendar.End, and Window is the longest
-	// such window's nominal length. Nil: a window runs from a key's
-	// request for Window.
+	// Calendar, when set, aligns the limit's windows (fixed or sliding) to
+	// the calendar: each ends at Calendar.End, and Window is the unit's
+	// nominal length. Nil: a window runs from a key's request for Window.
 	Calendar *Calendar
 }
 
@@ -97,6 +96,24 @@ func (l Limit) cutoff(t int64) int64 {
 		return t + int64(l.Window)
 	}
 	return l.Since.UnixNano() + int64(l.Window)
+}
+
+// length returns the length of the window that ends at reset: Window, or
+// the calendar window's.
+func (l Limit) length(reset int64) int64 {
+	if l.Calendar != nil {
+		return reset - l.Calendar.Start(reset-1)
+	}
+	return int64(l.Window)
+}
+
+// next returns the length of the window that follows the one ending at
+// reset.
+func (l Limit) next(reset int64) int64 {
+	if l.Calendar != nil {
+		return l.Calendar.End(reset) - reset
+	}
+	return int64(l.Window)
 }
 
 // windowArgs returns, for a Redis script, the window in milliseconds and the
@@ -337,7 +354,7 @@ type Settings struct {
 // ending at t would still overlap (the window in progress ends at reset),
 // plus count.
 func (l Limit) sliding(prev, count int64, reset, t int64) float64 {
-	left := float64(reset-t) / float64(l.Window)
+	left := float64(reset-t) / float64(l.length(reset))
 	return float64(prev)*min(max(left, 0), 1) + float64(count)
 }
 
@@ -365,7 +382,7 @@ func (l Limit) Weigh(ks KeyState, now time.Time) (float64, bool) {
 // (prev, count, window ending at reset) waits until a request of cost units
 // fits.
 func (l Limit) slidingWait(prev, count int64, reset, t, cost int64) time.Duration {
-	w := float64(l.Window)
+	w := float64(l.length(reset))
 	m := float64(l.Max)
 	c := float64(cost)
 	if count+cost <= int64(l.Max) {
@@ -377,6 +394,7 @@ func (l Limit) slidingWait(prev, count int64, reset, t, cost int64) time.Duratio
 		return time.Duration(max(at-float64(t), 0))
 	}
 	// In the next window prev is count and the new count 0.
+	w = float64(l.next(reset))
 	at := float64(reset) + w - (m-c)*w/float64(max(count, 1))
 	return time.Duration(max(at-float64(t), 1))
 }

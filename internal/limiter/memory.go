@@ -373,7 +373,7 @@ func (s *MemoryStore) judge(sh *memShard, c *Check, e *memEntry, found bool, t i
 		if c.Limit.GCRA() {
 			e.reset = t // a full bucket
 		} else if c.Limit.Sliding() {
-			e.span = int32(c.Limit.Window / time.Second)
+			e.span = c.Limit.span()
 		}
 	case !c.Limit.GCRA():
 		e.roll(t, &c.Limit)

@@ -31,13 +31,12 @@ func (e *memEntry) roll(t int64, l *Limit) {
 	if t < e.reset {
 		return
 	}
-	w := int64(l.Window)
-	if l.Sliding() && t < e.reset+w {
+	if next := l.next(e.reset); l.Sliding() && t < e.reset+next {
 		e.prev = e.count
-		e.reset += w
+		e.reset += next
 	} else {
 		e.prev = 0
-		e.reset = t + w
+		e.reset = t + int64(l.Window)
 		if l.Calendar != nil {
 			e.reset = l.Calendar.End(t)
 		}
@@ -45,8 +44,17 @@ func (e *memEntry) roll(t int64, l *Limit) {
 	e.count, e.refused = 0, 0
 	e.span = 0
 	if l.Sliding() {
-		e.span = int32(l.Window / time.Second)
+		e.span = l.span()
 	}
+}
+
+// span is how long a sliding window's count weighs on after its window
+// ends, in seconds: a window, the longest calendar window's with DST.
+func (l *Limit) span() int32 {
+	if l.Calendar != nil {
+		return int32((l.Window + time.Hour) / time.Second)
+	}
+	return int32(l.Window / time.Second)
 }
 
 // admits reports whether the check's request (its cost) fits the entry's

@@ -16,7 +16,10 @@
 --   cutoff: milliseconds from now at which a fixed window begun under a
 --     longer window (a reload shortened it) ends at the latest; at or below
 --     0 it has ended;
---   mode: 0 fixed window, 1 sliding-window counter, 2 GCRA;
+--   mode: 0 fixed window, 1 sliding-window counter, 2 GCRA, 3 sliding-window
+--     counter on the calendar (window: the length of the calendar window
+--     after the one in progress; cutoff: the milliseconds left of the one
+--     in progress; burst: its length);
 --   cost: the units the request spends;
 --   burst: for GCRA, the bucket's size;
 --   ban: "" when the limit does not ban, else "<ban ms>:<longest ban
@@ -128,7 +131,14 @@ for i = 1, n do
 		if not ok then
 			ch.retry = math.max(math.ceil((after - now - ch.burst * ch.interval) / 1000), 1)
 		end
-	elseif ch.mode == '1' then
+	elseif ch.mode == '1' or ch.mode == '3' then
+		-- The window in progress: its length, and what is left of it
+		-- (for a calendar window, from the calendar; else from the key).
+		local cal = ch.mode == '3'
+		local len, cur = ch.window, 0
+		if cal then
+			len, cur = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 3])
+		end
 		local ttl = redis.call('PTTL', c)
 		local v = number(c)
 		if v == false or (ttl > 0 and v > 2e9) then
@@ -138,12 +148,18 @@ for i = 1, n do
 			redis.call('DEL', c, ch.r, ch.p)
 			ttl = -2
 		end
-		if ttl > ch.window then
+		-- A calendar key of the window in progress expires the next
+		-- window after it ends; one of the window before, when this one
+		-- ends (half a window tells them apart, whatever the clocks).
+		if (not cal and ttl > ch.window) or (cal and ttl > cur + ch.window / 2) then
 			ch.state = 'current'
 			-- At most a window: a reload that shortened the window leaves
 			-- a longer time to live, which must not weigh the previous
 			-- count above one.
 			ch.left = math.min(ttl - ch.window, ch.window)
+			if cal then
+				ch.left = cur
+			end
 			ch.count = v
 			local prev = number(ch.p)
 			if prev == false then
@@ -153,13 +169,19 @@ for i = 1, n do
 		elseif ttl > 0 then
 			ch.state = 'roll'
 			ch.left = ttl
+			if cal then
+				ch.left = cur
+			end
 			ch.prev = v
 		else
 			ch.state = 'new'
 			ch.left = ch.window
+			if cal then
+				ch.left = cur
+			end
 		end
-		ok = ch.prev * ch.left / ch.window + ch.count + ch.cost <= ch.max
-		ch.full = ch.prev * ch.left / ch.window + ch.count + 1 > ch.max
+		ok = ch.prev * ch.left / len + ch.count + ch.cost <= ch.max
+		ch.full = ch.prev * ch.left / len + ch.count + 1 > ch.max
 	else
 		local ttl = redis.call('PTTL', c)
 		local v = number(c)
@@ -227,7 +249,7 @@ for i = 1, n do
 		end
 		left = math.ceil((ch.tat - now) / 1000)
 		ch.count = math.ceil((ch.tat - now) / ch.interval - 1e-6)
-	elseif ch.mode == '1' and state ~= 'current' and (admit or not ok) then
+	elseif (ch.mode == '1' or ch.mode == '3') and state ~= 'current' and (admit or not ok) then
 		-- Sliding: start the window in progress; the previous count moves
 		-- over.
 		local start = 0

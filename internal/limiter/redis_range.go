@@ -160,7 +160,12 @@ func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now 
 				if !l.Sliding() {
 					ks.Prev = 0
 				}
-				if ttl -= l.Window; ttl <= 0 {
+				outlives := l.Window
+				if l.Calendar != nil {
+					// A calendar window's key outlives it by the next one.
+					outlives = time.Duration(l.next(l.Calendar.End(now.UnixNano())))
+				}
+				if ttl -= outlives; ttl <= 0 {
 					if ban <= 0 {
 						continue
 					}

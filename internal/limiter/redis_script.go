@@ -228,15 +228,20 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 	args := make([]any, 7*len(checks))
 	for i := range checks {
 		c := &checks[i]
-		mode, burst := 0, 0
+		mode, burst := 0, int64(0)
+		window, cutoff := c.Limit.windowArgs(now)
 		switch {
 		case c.Limit.GCRA():
-			mode, burst = 2, int(c.Limit.burst())
+			mode, burst = 2, c.Limit.burst()
+		case c.Limit.Sliding() && c.Limit.Calendar != nil:
+			// The window after this one, what is left of this one, and
+			// its length: see redis.lua.
+			end := c.Limit.Calendar.End(now.UnixNano())
+			mode, window, burst = 3, c.Limit.next(end)/int64(time.Millisecond), c.Limit.length(end)/int64(time.Millisecond)
 		case c.Limit.Sliding():
 			mode = 1
 		}
 		a := args[7*i : 7*i+7]
-		window, cutoff := c.Limit.windowArgs(now)
 		a[0], a[1], a[2], a[3] = c.Limit.Max, window, cutoff, mode
 		a[4], a[5], a[6] = c.cost(), burst, ""
 		if c.Limit.Ban > 0 {
