@@ -137,7 +137,6 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n window hour\n algorithm gcra\n}", `invalid window calendar "hour" with algorithm gcra: a GCRA bucket has no window to align`},
 		{"rate_limit {\n window day\n time_zone Mars/Olympus\n}", `invalid time_zone "Mars/Olympus"`},
 		{"rate_limit {\n time_zone Europe/Berlin\n}", `invalid time_zone "Europe/Berlin": no limit has a calendar window`},
-		{"rate_limit {\n limit monthly 100 month\n store redis {\n  address 127.0.0.1:6379\n  sync 1s\n }\n}", `invalid limit "monthly" calendar "month" with sync 1s: sync mode's windows are aligned to the epoch`},
 		{"rate_limit {\n cost {http.request.header.X\n}", `invalid cost "{http.request.header.X": placeholder at offset 0 is not closed`},
 		{"rate_limit {\n ban\n}", `ban takes a duration`},
 		{"rate_limit {\n ban 500ms\n}", `invalid ban 500ms: must be from 1s to`},

@@ -83,8 +83,6 @@ func (rl *RateLimit) checkCalendars() []error {
 			errs = append(errs, fmt.Errorf("invalid %s calendar %q with window %s: a calendar window's length is the calendar's; give one or the other", what, calendar, window))
 		case rl.Algorithm == AlgorithmGCRA:
 			errs = append(errs, fmt.Errorf("invalid %s calendar %q with algorithm %s: a GCRA bucket has no window to align", what, calendar, rl.Algorithm))
-		case rl.Store.isRedis() && rl.Store.Sync != 0 && (calendar == CalendarWeek || calendar == CalendarMonth || (rl.TimeZone != "" && rl.TimeZone != DefaultTimeZone)):
-			errs = append(errs, fmt.Errorf("invalid %s calendar %q with sync %s: sync mode's windows are aligned to the epoch, which is the calendar's for an hour or a day in UTC only", what, calendar, time.Duration(rl.Store.Sync)))
 		}
 	}
 	check("window", rl.Calendar, time.Duration(rl.Window))

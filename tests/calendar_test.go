@@ -82,3 +82,36 @@ func TestCalendarHourRedis(t *testing.T) {
 		t.Errorf("the count key expires in %s (%v), want at the next :00, %d s on", ttl, err, left)
 	}
 }
+
+// In sync mode the instances agree on a calendar window's end from the
+// calendar: in Asia/Kolkata (+05:30) an hour runs from :30 UTC, and the
+// count key outlives it by the next hour.
+func TestCalendarHourSync(t *testing.T) {
+	srv := redistest.Start(t)
+	zone := fresh("e2e-calendar-sync")
+	s := startCaddy(t, "", calendarSite(zone, "time_zone Asia/Kolkata\n\t\tstore redis {\n\t\t\taddress "+srv.Addr+"\n\t\t\tsync 100ms\n\t\t}"))
+	now := time.Now()
+	next := now.Add(-30 * time.Minute).Truncate(time.Hour).Add(90 * time.Minute) // the next :30
+	if time.Until(next) < 10*time.Second {
+		time.Sleep(time.Until(next) + 20*time.Millisecond) // not across the window's end
+		next = next.Add(time.Hour)
+	}
+	for range 2 {
+		if resp, _ := s.get("/", "X-Client", "c1"); resp.StatusCode != http.StatusOK || resp.Header.Get("X-RateLimit-Reset") != strconv.FormatInt(next.Unix(), 10) {
+			t.Fatalf("within the hour's 2: %d, X-RateLimit-Reset %q, want the window to %s", resp.StatusCode, resp.Header.Get("X-RateLimit-Reset"), next.Format(time.RFC3339))
+		}
+	}
+	if resp, _ := s.get("/", "X-Client", "c1"); resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("the third: %d, want 429", resp.StatusCode)
+	}
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
+	defer rdb.Close()
+	key := "caddy_rate_limit:" + zone + ":{key:c1}:c"
+	var ttl time.Duration
+	if !eventuallyAcross(func() bool { ttl, _ = rdb.PTTL(context.Background(), key).Result(); return ttl > 0 }) {
+		t.Fatalf("no round sent the count: PTTL %s", ttl)
+	}
+	if want := time.Until(next) + time.Hour; ttl < want-2*time.Second || ttl > want+time.Second {
+		t.Errorf("the count key expires in %s, want %s: at the next :30 and an hour", ttl, want)
+	}
+}

@@ -230,9 +230,10 @@ type syncEntry struct {
 	name, key string // parts of ck
 	tag       string // the key's name in Redis (its hash with hash_keys), once a round has sent it
 	window    int64
-	end       int64 // the end of the window counted in mine
-	max       int64 // the limit's Max at the last decision
-	sliding   bool  // the limit's window slides
+	cal       *Calendar // the limit's calendar, if its windows follow one
+	end       int64     // the end of the window counted in mine
+	max       int64     // the limit's Max at the last decision
+	sliding   bool      // the limit's window slides
 	// mine is what this instance admitted in the window; sent the value of
 	// mine that the last round read fleet with (the fleet's count then).
 	mine, sent, fleet int64
@@ -292,7 +293,10 @@ func (y *syncTable) shardOf(ck string) int {
 // the one in progress. The shard is locked.
 func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEntry {
 	w := c.Limit.Window.Milliseconds()
-	end := (ms/w + 1) * w
+	end := (ms/w + 1) * w // aligned to the epoch, so every instance agrees
+	if cal := c.Limit.Calendar; cal != nil {
+		end = cal.End(ms*int64(time.Millisecond)) / int64(time.Millisecond)
+	}
 	e := sh.m[ck]
 	if e == nil {
 		// One copy of the key: the entry's name and key are parts of
@@ -306,16 +310,16 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 		y.len.Add(1)
 		y.prior(e, &c.Limit, ms)
 	}
-	e.bans, e.max, e.sliding = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding()
+	e.bans, e.max, e.sliding, e.cal = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding(), c.Limit.Calendar
 	switch {
 	case e.window != w:
 		// A reload changed the window: windows of another length.
 		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
-		*e = syncEntry{ck: e.ck, name: e.name, key: e.key, tag: e.tag, window: w, end: end, max: e.max, sliding: e.sliding,
+		*e = syncEntry{ck: e.ck, name: e.name, key: e.key, tag: e.tag, window: w, cal: e.cal, end: end, max: e.max, sliding: e.sliding,
 			banUntil: e.banUntil, bans: e.bans, dirty: e.dirty}
 		y.prior(e, &c.Limit, ms)
 	case end > e.end:
-		if end == e.end+w {
+		if end == e.end+e.next(e.end) {
 			y.drop(e.prevMine - e.prevSent)
 			e.prevMine, e.prevSent, e.prevFleet = e.mine, e.sent, e.fleet
 		} else {
@@ -409,8 +413,21 @@ func (e *syncEntry) prevHeld() int64 { return e.prevFleet + e.prevMine - e.prevS
 // weighs returns what the previous window's count weighs at ms in e's
 // window when it slides (Limit.sliding).
 func (e *syncEntry) weighs(ms int64) float64 {
-	l := Limit{Window: time.Duration(e.window) * time.Millisecond}
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal}
 	return l.sliding(e.prevHeld(), 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))
+}
+
+// next returns the length of the window after the one ending at end (Unix
+// ms): the window, or the calendar's.
+func (e *syncEntry) next(end int64) int64 {
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal}
+	return l.next(end*int64(time.Millisecond)) / int64(time.Millisecond)
+}
+
+// length returns the length of the window ending at end (Unix ms).
+func (e *syncEntry) length(end int64) int64 {
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal}
+	return l.length(end*int64(time.Millisecond)) / int64(time.Millisecond)
 }
 
 // touch queues e for the next round.
@@ -586,7 +603,7 @@ func (s *SyncStore) Refund(_ context.Context, checks []Check, _ time.Time, verdi
 			switch end {
 			case e.end:
 				e.mine = max(e.mine-c.cost(), 0)
-			case e.end - e.window:
+			case e.end - e.length(e.end):
 				e.prevMine = max(e.prevMine-c.cost(), 0)
 			}
 			sh.touch(e)
@@ -636,7 +653,7 @@ func (y *syncTable) forget(match func(e *syncEntry) bool) {
 // dropped), and the table's record of removed ones.
 func (y *syncTable) sweep(ms int64) {
 	y.forget(func(e *syncEntry) bool {
-		if e.end+e.window > ms || e.dirty || e.banUntil > ms*int64(time.Millisecond) {
+		if e.end+e.next(e.end) > ms || e.dirty || e.banUntil > ms*int64(time.Millisecond) {
 			return false
 		}
 		y.drop(e.prevMine - e.prevSent)

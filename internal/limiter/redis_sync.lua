@@ -39,7 +39,8 @@
 -- slot: p the previous count, h and q the instances' counts of the window
 -- and of the one before (hashes), r the refused tally, b the ban. ARGV[i+4]
 -- holds its 12 numbers, separated by spaces: the end of the instance's
--- window (Unix ms), the window (ms), the instance's count of it, its count
+-- window (Unix ms), the length of the window after it (ms: a calendar's
+-- windows vary), the instance's count of it, its count
 -- of the previous window (-1: not sent), refusals to add to the tally, 1 to
 -- read the ban, max, the units the instance asks to lease, the most it
 -- asks while learning (twice what it spent since its last round: its pace,

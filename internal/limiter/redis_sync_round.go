@@ -67,8 +67,10 @@ type syncItem struct {
 	e     *syncEntry
 	shard int
 	key   string // the count key
-	// end and window name the window mine counts; prev is the count of
-	// the window before (-1: not sent); refused the refusals to tally.
+	// end names the window mine counts, and window is the length of the
+	// one after it (its count key outlives it by that: redis_sync.lua);
+	// prev is the count of the window before (-1: not sent); refused the
+	// refusals to tally.
 	end, window, mine, prev, refused int64
 	bans                             bool
 	// max is the limit's; want the units to lease; pace the most while
@@ -334,7 +336,7 @@ func (y *syncTable) collect(s *SyncStore, ms int64) []syncItem {
 			}
 			it := syncItem{
 				e: e, shard: i, key: s.keyOf(e.name, e.tag, "c"),
-				end: e.end, window: e.window, mine: e.mine, prev: -1,
+				end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
 				refused: e.refused, bans: e.bans,
 				max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
 				knownFleet: e.fleet + e.mine - e.sent, held: e.held,
