@@ -333,6 +333,9 @@ type KeyInfo struct {
 	// refused (for a sliding window, counting the previous window's weight,
 	// as Remaining does), or the key is banned.
 	Limited bool `json:"limited"`
+	// InFlight is the key's requests being served now in a limit with
+	// max_in_flight; absent when none.
+	InFlight int `json:"in_flight,omitempty"`
 	// BannedUntil is when the key's ban ends, in Unix seconds; absent when
 	// the key is not banned. The unblock lifts a ban too.
 	BannedUntil int64 `json:"banned_until,omitempty"`

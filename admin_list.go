@@ -184,6 +184,7 @@ func keyInfo(zone string, l zonePolicy, ks limiter.KeyState, now time.Time) KeyI
 		Remaining: max(quota-int(math.Ceil(held)), 0),
 		Reset:     ceilSeconds(ks.Reset.UnixNano()),
 		Limited:   limited,
+		InFlight:  ks.InFlight,
 		Unblock:   unblockPath(zone, ks.Key),
 	}
 	if ks.BannedUntil.After(now) {

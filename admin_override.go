@@ -80,7 +80,7 @@ func putOverride(w http.ResponseWriter, r *http.Request, z *zone) error {
 		return apiError(http.StatusInternalServerError, fmt.Errorf("setting the override of %q in zone %q: %v", o.Key, z.name, err))
 	}
 	if s.notify != nil {
-		s.notify(EventOverrideSet, map[string]any{"key": o.Key, "plan": o.Plan, "max": o.Max, "burst": o.Burst,
+		s.notify(EventOverrideSet, map[string]any{"key": o.Key, "plan": o.Plan, "max": o.Max, "burst": o.Burst, "max_in_flight": o.MaxInFlight,
 			"off": o.Off, "limits": o.Limits, "expires": o.Expires})
 	}
 	return writeJSON(w, o)

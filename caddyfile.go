@@ -33,6 +33,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		                                  # calendar: hour, day, week, month, from :00, midnight, Monday, the 1st
 //		time_zone   <IANA name>           # of calendar windows; default UTC
 //		max         <n>                   # default 300 requests per key per window
+//		max_in_flight <n>                 # requests of a key served at once; default no cap (memory zones)
 //		max_tracked <n>                   # default 100000, at least 1000           (alias: maxTracked)
 //		key         <placeholder>         # default: the client IP ({client_ip})
 //		ipv6_prefix <bits>                # default 64: IPv6 clients grouped per /64
@@ -46,6 +47,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		limit <name> <max> <window>|<calendar> [{ # repeatable: more limits, all judged at once
 //			key     <placeholder>         # default: the handler's key
 //			missing ip|reject|<value>     # default ip
+//			max_in_flight <n>             # default: no cap (not the handler's)
 //			count_status <status>...|all  # default: the handler's; so are cost, ban and burst
 //			cost    <n>|<placeholder>
 //			ban     <duration> [escalate [<longest>]] | off
@@ -55,6 +57,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		plan <name> {                     # repeatable: the plan's values for the limits (docs/plans.md)
 //			max   <n>|off                 # the handler's own limit; default: its max
 //			burst <n>                     # gcra; default: the limit's
+//			max_in_flight <n>             # the handler's own limit; default: its own
 //			limit <name> <max>|off [burst <n>] # one of the limits above
 //		}
 //		algorithm   fixed|sliding|gcra    # default fixed; gcra: a token bucket
@@ -163,6 +166,8 @@ func (rl *RateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			rl.Window, err = parseWindow(d, opt, val, false)
 		case "max":
 			rl.Max, err = parseInt(d, opt, val, 1)
+		case "max_in_flight":
+			rl.MaxInFlight, err = parseInt(d, opt, val, 1)
 		case "max_tracked", "maxTracked":
 			rl.MaxTracked, err = parseIntRule(d, opt, val, maxTrackedRule)
 		case "key":
@@ -259,8 +264,10 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 			l.Key = val
 		case "missing":
 			l.Missing = val
+		case "max_in_flight":
+			l.MaxInFlight, err = parseInt(d, "limit "+l.Name+" max_in_flight", val, 1)
 		default:
-			return d.Errf("unrecognized limit option %q: want key, missing, count_status, cost, ban or burst", opt)
+			return d.Errf("unrecognized limit option %q: want key, missing, max_in_flight, count_status, cost, ban or burst", opt)
 		}
 		if err != nil {
 			return err
@@ -301,6 +308,17 @@ func (rl *RateLimit) unmarshalPlan(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
+		case "max_in_flight":
+			if err := seen.first(d, opt); err != nil {
+				return err
+			}
+			val, err := oneArg(d, what)
+			if err == nil {
+				pc.MaxInFlight, err = parseInt(d, what, val, 1)
+			}
+			if err != nil {
+				return err
+			}
 		case "limit":
 			args := d.RemainingArgs()
 			if len(args) != 2 && (len(args) != 4 || args[2] != "burst") {
@@ -324,7 +342,7 @@ func (rl *RateLimit) unmarshalPlan(d *caddyfile.Dispenser) error {
 			}
 			pc.Limits[args[0]] = pl
 		default:
-			return d.Errf("unrecognized plan option %q: want max, burst or limit", opt)
+			return d.Errf("unrecognized plan option %q: want max, burst, max_in_flight or limit", opt)
 		}
 	}
 	if rl.Plans == nil {

@@ -89,6 +89,13 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		}
 		delayed = allowed
 	}
+	if allowed && rl.capsInFlight {
+		// The store took a slot of each capped limit: given back when
+		// the request ends, however it ends (a panic unwinds through
+		// here too).
+		rl.zone.flying.Add(1)
+		defer rl.releaseSlots(checks[:n])
+	}
 	if rl.inFlight != nil {
 		// Units spent stay counted unless count_status gives them back
 		// (serveCounted); a refusal that requests in flight kept from
@@ -120,15 +127,19 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	}
 	if !allowed {
 		st.placeholders.violated = rl.violatedOf(of[:n], out[:n])
+		st.placeholders.inFlight = anyInFlight(out[:n])
 		rl.refused(checks[:n], of[:n], out[:n], now)
 	}
 	ws := isWebSocket(r)
 	if ws && (allowed || rl.DryRun) {
 		return rl.serveWebSocket(w, r, next, st, checks[0].Key, v, allowed)
 	}
-	if delayed && !v.StoreError {
+	switch {
+	case delayed && !v.StoreError:
 		rl.zone.count(resultDelayed)
-	} else {
+	case !allowed && !rl.DryRun && onlyInFlight(out[:n]):
+		rl.zone.count(resultInFlight)
+	default:
 		rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
 	}
 	if allowed && rl.countStatus {

@@ -13,7 +13,7 @@ import (
 // config.
 var (
 	requestsDesc = prometheus.NewDesc("caddy_rate_limit_requests_total",
-		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, invalid, degraded_allowed, degraded_denied, delayed).",
+		"Requests decided by the rate limiter, by zone and result (allowed, limited, dry_run, invalid, degraded_allowed, degraded_denied, delayed, in_flight).",
 		[]string{"zone", "result"}, nil)
 	refusalsDesc = prometheus.NewDesc("caddy_rate_limit_refusals_total",
 		"Refusals by zone and limit: a request refused by several limits counts in each (dry-run refusals included).",
@@ -51,6 +51,9 @@ var (
 	websocketDesc = prometheus.NewDesc("caddy_rate_limit_websocket_connections",
 		"WebSocket connections open through the zone now.",
 		[]string{"zone"}, nil)
+	inFlightDesc = prometheus.NewDesc("caddy_rate_limit_requests_in_flight",
+		"Requests of the zone's limits with max_in_flight that are being served now.",
+		[]string{"zone"}, nil)
 )
 
 // collector exports the counters of every live zone. It keeps no state of
@@ -84,6 +87,7 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- trackedKeysDesc
 	ch <- evictionsDesc
 	ch <- websocketDesc
+	ch <- inFlightDesc
 	ch <- storeHealthyDesc
 	ch <- syncRoundTripsDesc
 	ch <- syncBatchesDesc
@@ -110,6 +114,7 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(trackedKeysDesc, prometheus.GaugeValue, float64(z.store.Len()), z.name)
 		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(z.store.Evictions()), z.name)
 		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)
+		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(z.flying.Load()), z.name)
 		if f, ok := z.fleet(); ok {
 			healthy := 0.0
 			if f.Healthy() {

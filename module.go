@@ -115,6 +115,13 @@ type RateLimit struct {
 	// 1000000000. Default: 300 (0 in JSON means the default).
 	Max int `json:"max,omitempty"`
 
+	// MaxInFlight caps the requests of one key of the first limit that
+	// are being served at once, 1 to 1000000; a request past it is
+	// refused with Retry-After: 1 (or waits, with Delay) and spends
+	// nothing. It counts this process's requests: a memory zone's.
+	// Default: no cap.
+	MaxInFlight int `json:"max_in_flight,omitempty"`
+
 	// Calendar aligns the first limit's windows to the calendar in
 	// TimeZone: "hour" (from :00), "day" (from midnight), "week" (from
 	// Monday) or "month" (from the 1st), whatever the length of the day
@@ -274,6 +281,8 @@ type RateLimit struct {
 	// exactly a request header's placeholder or a variable's; "" else.
 	planHeader, planVar string
 	overridePlans       *overridePlans // built in Provision
+	// capsInFlight is set when a limit, or a plan's, has a max_in_flight.
+	capsInFlight bool
 	// violated caches the text of each set of refusing limits (a bit
 	// mask of policies → *violatedText), built at its first refusal.
 	violated *sync.Map
@@ -378,6 +387,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 	first := limiter.Limit{Window: time.Duration(rl.Window), Max: rl.Max, Algorithm: algo, Calendar: calendarOf(rl.Calendar, loc)}
 	rl.policies = []policy{newPolicy(rl.Zone, "", first, rl.Key, rl.Missing)}
 	rl.policies[0].setAbuse(rl.AbuseControls)
+	rl.policies[0].check.MaxInFlight = rl.MaxInFlight
 	for _, l := range rl.Limits {
 		key := l.Key
 		if key == "" {
@@ -386,6 +396,7 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		lim := limiter.Limit{Window: time.Duration(l.Window), Max: l.Max, Algorithm: algo, Calendar: calendarOf(l.Calendar, loc)}
 		p := newPolicy(l.Name, l.Name, lim, key, l.Missing)
 		p.setAbuse(l.abuse(rl.AbuseControls))
+		p.check.MaxInFlight = l.MaxInFlight
 		rl.policies = append(rl.policies, p)
 	}
 	rl.countStatus, rl.costWarned, rl.inFlight = false, new(atomic.Bool), nil

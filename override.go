@@ -336,7 +336,7 @@ func checkOverride(o *Override, s zoneSettings, now time.Time) error {
 	if o.KeyHash != "" {
 		return fmt.Errorf("invalid key_hash %q: set an override by its key", o.KeyHash)
 	}
-	values := o.Max != 0 || o.Burst != 0 || o.Off || len(o.Limits) > 0
+	values := o.Max != 0 || o.Burst != 0 || o.Off || o.MaxInFlight != 0 || len(o.Limits) > 0
 	switch {
 	case o.Plan != "" && values:
 		return fmt.Errorf("invalid override of %q: plan %q and values; give one or the other", o.Key, o.Plan)

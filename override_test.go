@@ -105,7 +105,7 @@ func TestOverrideEvents(t *testing.T) {
 	}
 	set, removed := events.events[0], events.events[1]
 	if set.Name() != EventOverrideSet || set.Data["zone"] != z.name || set.Data["key"] != "key:acme" || set.Data["max"] != 9 ||
-		fmt.Sprint(set.Data["limits"]) != "map[hourly:{90 0 false}]" || set.Data["expires"] == int64(0) {
+		fmt.Sprint(set.Data["limits"]) != "map[hourly:{90 0 false 0}]" || set.Data["expires"] == int64(0) {
 		t.Errorf("set event %s %v", set.Name(), set.Data)
 	}
 	if removed.Name() != EventOverrideRemoved || removed.Data["key"] != "key:acme" {

@@ -52,6 +52,10 @@ type PlanLimit struct {
 	// Off switches the limit off for the plan's clients: it neither counts
 	// nor refuses their requests.
 	Off bool `json:"off,omitempty"`
+
+	// MaxInFlight replaces the limit's max_in_flight for the plan's
+	// clients, 1 to 1000000. Default (0): the limit's own.
+	MaxInFlight int `json:"max_in_flight,omitempty"`
 }
 
 // plan is a plan as the handler runs it.
@@ -69,6 +73,7 @@ func (rl *RateLimit) buildPlans() {
 	rl.defaultPlan = newPlan(DefaultPlan, rl.policies)
 	rl.plans = nil
 	rl.planSource()
+	rl.capsInFlight = rl.hasInFlightCap()
 	if len(rl.Plans) == 0 {
 		return
 	}
@@ -113,6 +118,9 @@ func (p *policy) applyPlan(pl PlanLimit) {
 	}
 	if pl.Burst != 0 {
 		p.check.Limit.Burst = pl.Burst
+	}
+	if pl.MaxInFlight != 0 {
+		p.check.MaxInFlight = pl.MaxInFlight
 	}
 }
 
@@ -247,8 +255,11 @@ func (r planRules) check(what string, pc PlanConfig) []error {
 // and burst.
 func (r planRules) checkLimit(what string, max int, window time.Duration, burst int, pl PlanLimit) []error {
 	var errs []error
-	if pl.Off && (pl.Max != 0 || pl.Burst != 0) {
-		errs = append(errs, fmt.Errorf("invalid %s: off with a max or a burst", what))
+	if pl.Off && (pl.Max != 0 || pl.Burst != 0 || pl.MaxInFlight != 0) {
+		errs = append(errs, fmt.Errorf("invalid %s: off with a max, a burst or a max_in_flight", what))
+	}
+	if err := checkMaxInFlight(what+" max_in_flight", pl.MaxInFlight); err != nil {
+		errs = append(errs, err)
 	}
 	if pl.Max < 0 || pl.Max > MaxRequests {
 		errs = append(errs, fmt.Errorf("invalid %s max %d: must be from 1 to %d", what, pl.Max, MaxRequests))

@@ -144,7 +144,7 @@ func TestPlansChecked(t *testing.T) {
 		}, "invalid plan pro burst 3: burst applies to algorithm gcra only"},
 		{"off with a max", func(rl *RateLimit) {
 			rl.PlanBy, rl.Plans = "{http.vars.plan}", map[string]PlanConfig{"pro": {Limits: map[string]PlanLimit{"daily": {Max: 9, Off: true}}}}
-		}, "invalid plan pro limit daily: off with a max or a burst"},
+		}, "invalid plan pro limit daily: off with a max, a burst or a max_in_flight"},
 		{"a max out of range", func(rl *RateLimit) {
 			rl.PlanBy, rl.Plans = "{http.vars.plan}", map[string]PlanConfig{"pro": {PlanLimit: PlanLimit{Max: MaxRequests + 1}}}
 		}, "invalid plan pro max 1000000001: must be from 1 to 1000000000"},

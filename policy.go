@@ -46,6 +46,11 @@ type PolicyConfig struct {
 	// 366 days; with Calendar, it may be left out.
 	Window caddy.Duration `json:"window,omitempty"`
 
+	// MaxInFlight caps the requests of one key of this limit being served
+	// at once, as the handler's MaxInFlight does for its first limit (it
+	// is not inherited). Default: no cap.
+	MaxInFlight int `json:"max_in_flight,omitempty"`
+
 	// Calendar aligns the limit's windows to the calendar in the
 	// handler's TimeZone, as the handler's Calendar does for its first
 	// limit ("hour", "day", "week" or "month"; Window may then be left

@@ -25,6 +25,7 @@ type placeholders struct {
 	remaining                        int
 	retryAfter                       int64 // Retry-After's seconds on a refusal; 0 otherwise
 	exceeded                         bool
+	inFlight                         bool          // refused for the key's requests in flight (max_in_flight)
 	violated                         *violatedText // the limits that refused; nil when none did
 }
 
@@ -161,6 +162,8 @@ func (p *placeholders) replace(key string) (any, bool) {
 		return p.reset, true
 	case "exceeded":
 		return p.exceeded, true
+	case "in_flight":
+		return p.inFlight, true
 	case "retry_after":
 		return p.retryAfter, true
 	case "violated":

@@ -69,6 +69,7 @@ func (rl *RateLimit) check() error {
 	errs = append(errs, rl.checkLimits()...)
 	errs = append(errs, rl.checkPlans()...)
 	errs = append(errs, rl.checkCalendars()...)
+	errs = append(errs, rl.checkInFlight()...)
 	return errors.Join(errs...)
 }
 
@@ -241,6 +242,54 @@ func (rl *RateLimit) checkLimits() []error {
 		}
 	}
 	return errs
+}
+
+// MaxInFlightCap bounds max_in_flight.
+const MaxInFlightCap = 1_000_000
+
+// checkMaxInFlight checks a max_in_flight: 0 for none, else from 1 to
+// MaxInFlightCap.
+func checkMaxInFlight(what string, n int) error {
+	if n < 0 || n > MaxInFlightCap {
+		return fmt.Errorf("invalid %s %d: must be from 1 to %d", what, n, MaxInFlightCap)
+	}
+	return nil
+}
+
+// checkInFlight reports every invalid max_in_flight of the handler, its
+// limits and plans, and one with a Redis store, whose fleet-wide count of
+// requests in flight is not built: a cap per process would read as one
+// for the fleet.
+func (rl *RateLimit) checkInFlight() []error {
+	var errs []error
+	if err := checkMaxInFlight("max_in_flight", rl.MaxInFlight); err != nil {
+		errs = append(errs, err)
+	}
+	for _, l := range rl.Limits {
+		if err := checkMaxInFlight(fmt.Sprintf("limit %q max_in_flight", l.Name), l.MaxInFlight); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if rl.hasInFlightCap() && rl.Store.isRedis() {
+		errs = append(errs, fmt.Errorf("invalid max_in_flight with store redis: requests in flight are counted per process, in a memory zone; a fleet-wide count through Redis is not built yet"))
+	}
+	return errs
+}
+
+// hasInFlightCap reports whether a limit of the handler, or of one of its
+// plans, caps requests in flight.
+func (rl *RateLimit) hasInFlightCap() bool {
+	capped := rl.MaxInFlight != 0
+	for _, l := range rl.Limits {
+		capped = capped || l.MaxInFlight != 0
+	}
+	for _, pc := range rl.Plans {
+		capped = capped || pc.MaxInFlight != 0
+		for _, pl := range pc.Limits {
+			capped = capped || pl.MaxInFlight != 0
+		}
+	}
+	return capped
 }
 
 // checkMissing checks a missing setting: ip, reject, or a canonical value,

@@ -63,6 +63,8 @@ type zone struct {
 
 	// wsLive is the number of WebSocket connections open through the zone.
 	wsLive atomic.Int64
+	// flying is the number of requests holding slots of max_in_flight.
+	flying atomic.Int64
 	// ws counts the open WebSocket connections per key, for
 	// ws_max_connections_per_ip.
 	ws wsConns
@@ -86,11 +88,12 @@ const (
 	resultDegradedAllowed        // admitted while the shared store failed (on_error allow, or local admitted)
 	resultDegradedDenied         // refused with 503 because the shared store failed (on_error deny)
 	resultDelayed                // admitted after waiting (delay)
+	resultInFlight               // refused for the key's requests in flight (max_in_flight)
 	numResults
 )
 
 // resultNames are the result label values, indexed by outcome.
-var resultNames = [numResults]string{"allowed", "limited", "dry_run", "invalid", "degraded_allowed", "degraded_denied", "delayed"}
+var resultNames = [numResults]string{"allowed", "limited", "dry_run", "invalid", "degraded_allowed", "degraded_denied", "delayed", "in_flight"}
 
 // count records one decision with the given outcome.
 func (z *zone) count(result int) { z.results[result].Add(1) }

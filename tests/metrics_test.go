@@ -85,11 +85,13 @@ func TestMetricsAcrossReload(t *testing.T) {
 		series("requests_total", "e2e-metrics", "degraded_allowed"): 0,
 		series("requests_total", "e2e-metrics", "degraded_denied"):  0,
 		series("requests_total", "e2e-metrics", "delayed"):          0,
+		series("requests_total", "e2e-metrics", "in_flight"):        0,
 		refusalSeries("e2e-metrics", "e2e-metrics"):                 1,
 		series("tracked_keys", "e2e-metrics", ""):                   2,
 		series("evictions_total", "e2e-metrics", ""):                0,
 		series("dry_run_bans_total", "e2e-metrics", ""):             0,
 		series("websocket_connections", "e2e-metrics", ""):          0,
+		series("requests_in_flight", "e2e-metrics", ""):             0,
 	}
 	check := func(when string) {
 		t.Helper()

@@ -165,6 +165,12 @@ type Check struct {
 	// key's quota without spending it, admitted unless the key is banned
 	// or already past its max (a plan lowered it).
 	Free bool
+	// MaxInFlight caps the requests of Key the limit lets in flight at
+	// once; 0: no cap. An admitted decision takes one of the key's slots
+	// in each check that has a cap, which Release gives back; a check
+	// whose key holds them all refuses the request (Verdict.InFlightFull),
+	// and nothing is spent in any check.
+	MaxInFlight int
 	// NoBan keeps a refusal from starting a ban (Limit.Ban): other
 	// requests of the key hold units while they are served, and may give
 	// them back (count_status), or the handler only tries its limits (dry
@@ -205,6 +211,10 @@ type Verdict struct {
 	// (Limit.Ban) had the check not been NoBan: the caller decides later
 	// whether it stands (Store.Ban).
 	PendingBan bool
+	// InFlightFull is true when the check refused the request because its
+	// key has MaxInFlight requests in flight: RetryAfter is a second, and
+	// the refusal is no violation (no ban, no refused tally).
+	InFlightFull bool
 	// StoreError is true when the shared store failed and the verdict was
 	// reached without it, as the store's on_error setting says (admitted
 	// anyway, or decided by an in-process fallback store).
@@ -220,6 +230,9 @@ type KeyState struct {
 	Count int
 	// Refused is the number of requests refused in the current window.
 	Refused int
+	// InFlight is the key's requests in flight in the limit (with a
+	// MaxInFlight; this process's, on the memory store).
+	InFlight int
 	// Reset is when the current window ends.
 	Reset time.Time
 	// Prev is, for a sliding window, the requests admitted in the previous
@@ -276,6 +289,11 @@ type Store interface {
 	// sliding window they go on weighing as the previous count); a GCRA
 	// bucket gets back only what has not dripped back since.
 	Refund(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error
+
+	// Release gives back the slot an admitted decision took in each check
+	// that has a MaxInFlight: once per admitted decision, when its request
+	// ends.
+	Release(ctx context.Context, checks []Check) error
 
 	// Ban records, at now, a violation of c's limit by c.Key (c.Limit
 	// bans) and bans the key from now, escalating as the limit says: a

@@ -61,6 +61,7 @@ type memShard struct {
 	short   inlineTable                    // keys of at most inlineMax bytes, of every slot
 	entries [MaxChecks]map[string]memEntry // longer keys by limit slot; nil until used
 	bans    [MaxChecks]map[string]banEntry // banned keys by limit slot; nil until used
+	flying  [MaxChecks]map[string]int32    // requests in flight by limit slot (MaxInFlight); nil until used
 	order   []orderItem                    // insertion order of entries; live items start at head
 	head    int
 	_       [64]byte // keep neighbouring shards' locks off one cache line
@@ -357,6 +358,7 @@ func (s *MemoryStore) decideOne(c *Check, t int64, out *Verdict) {
 // judgement is what judge found of one check, for settle.
 type judgement struct {
 	countOK     bool  // the window admits the request
+	full        bool  // the key's requests in flight fill the limit's MaxInFlight
 	bannedUntil int64 // the key's ban in the limit ends then; 0 for none
 }
 
@@ -385,7 +387,8 @@ func (s *MemoryStore) judge(sh *memShard, c *Check, e *memEntry, found bool, t i
 		}
 	}
 	j.countOK = e.admits(t, c)
-	*out = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: j.bannedUntil == 0 && j.countOK}
+	j.full = c.MaxInFlight > 0 && sh.flying[c.Slot][c.Key] >= int32(c.MaxInFlight)
+	*out = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: j.bannedUntil == 0 && j.countOK && !j.full}
 	return j
 }
 
@@ -399,6 +402,13 @@ func (s *MemoryStore) settle(idx uint64, c *Check, e *memEntry, t int64, allowed
 		if c.Limit.GCRA() {
 			out.Reset = time.Unix(0, e.reset) // the bucket after this request
 		}
+		if c.MaxInFlight > 0 {
+			s.shards[idx].takeSlot(c.Slot, c.Key)
+		}
+	case j.full && j.countOK && j.bannedUntil == 0:
+		// Refused for the requests in flight alone: no violation, and
+		// one of them may end any moment.
+		out.InFlightFull, out.RetryAfter = true, time.Second
 	case !out.Allowed:
 		if e.refused < math.MaxInt32 {
 			e.refused++

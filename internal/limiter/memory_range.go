@@ -22,7 +22,8 @@ func (s *MemoryStore) Range(ctx context.Context, now time.Time, fn func(KeyState
 	var batch []KeyState
 	listed := func(sh *memShard, slot int, k string, e memEntry) {
 		if t < e.reset {
-			ks := KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot]}
+			ks := KeyState{Key: k, Count: int(e.count), Refused: int(e.refused), Reset: time.Unix(0, e.reset), Prev: int(e.prev), Name: names[slot],
+				InFlight: int(sh.flying[slot][k])}
 			if b, ok := sh.bans[slot][k]; ok && b.until > t {
 				ks.BannedUntil = time.Unix(0, b.until)
 			}

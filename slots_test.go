@@ -1,0 +1,69 @@
+package ratelimit
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// A plan's max_in_flight caps its clients' requests being served at once;
+// the handler's own values (no cap) do not; a slot comes back when the
+// request ends, even when a handler after it panics.
+func TestPlanMaxInFlight(t *testing.T) {
+	t.Parallel()
+	rl, _ := provisionHandler(t, "slots-plan", 100, true, func(rl *RateLimit) {
+		rl.PlanBy = "{http.vars.plan}"
+		rl.Plans = map[string]PlanConfig{"small": {PlanLimit: PlanLimit{MaxInFlight: 1}}}
+	})
+	serveAs := func(ip, plan string, next caddyhttp.Handler) (status int) {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		vars := map[string]any{caddyhttp.ClientIPVarKey: ip, "plan": plan}
+		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, vars))
+		caddyhttp.NewTestReplacer(r)
+		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.ServerCtxKey, &caddyhttp.Server{}))
+		w := httptest.NewRecorder()
+		defer func() {
+			if recover() != nil {
+				status = -1
+			}
+		}()
+		if err := rl.ServeHTTP(w, r, next); err != nil {
+			if herr, ok := err.(caddyhttp.HandlerError); ok {
+				return herr.StatusCode
+			}
+			t.Fatal(err)
+		}
+		return w.Code
+	}
+	ok := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(http.StatusOK); return nil })
+	entered, leave := make(chan struct{}), make(chan struct{})
+	slow := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		close(entered)
+		<-leave
+		return nil
+	})
+	done := make(chan int)
+	go func() { done <- serveAs("192.0.2.1", "small", slow) }()
+	<-entered
+	if got := serveAs("192.0.2.1", "small", ok); got != http.StatusTooManyRequests {
+		t.Errorf("a second request of the small plan in flight: %d, want 429", got)
+	}
+	if got := serveAs("192.0.2.2", "", ok); got != http.StatusOK {
+		t.Errorf("a request on the default plan: %d, want 200", got)
+	}
+	close(leave)
+	<-done
+	panics := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { panic("boom") })
+	if got := serveAs("192.0.2.1", "small", panics); got != -1 {
+		t.Fatalf("a panicking handler: %d, want the panic", got)
+	}
+	if got := serveAs("192.0.2.1", "small", ok); got != http.StatusOK {
+		t.Errorf("once the others ended (one by a panic): %d, want 200", got)
+	}
+	if n := rl.zone.flying.Load(); n != 0 {
+		t.Errorf("%d requests counted in flight, want 0", n)
+	}
+}

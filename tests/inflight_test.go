@@ -1,0 +1,181 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// slowBackend is an upstream whose requests wait until the test lets
+// each go (release), or until their client goes away.
+type slowBackend struct {
+	addr    string
+	flying  atomic.Int64
+	release chan struct{}
+}
+
+// startSlowBackend listens on a port of its own (no Caddy shares it) until
+// the test ends. A request to /fail has its connection cut once released.
+func startSlowBackend(t *testing.T) *slowBackend {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &slowBackend{addr: l.Addr().String(), release: make(chan struct{})}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.flying.Add(1)
+		defer b.flying.Add(-1)
+		select {
+		case <-b.release:
+		case <-r.Context().Done():
+			return
+		}
+		if r.URL.Path == "/fail" {
+			panic(http.ErrAbortHandler) // the upstream drops the connection
+		}
+		io.WriteString(w, "done")
+	})}
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+	return b
+}
+
+// inFlightSite caps each X-Client's requests in flight at 3 in front of
+// backend, and says in a refusal's body whether that cap refused it.
+func inFlightSite(zone, backend string) string {
+	return fmt.Sprintf(`
+:$PORT {
+	rate_limit {
+		zone %s
+		key {http.request.header.X-Client}
+		window 60
+		max 1000
+		max_in_flight 3
+	}
+	reverse_proxy %s
+	handle_errors 429 {
+		respond "in_flight={http.rate_limit.in_flight} violated={http.rate_limit.violated}" 429
+	}
+}`, zone, backend)
+}
+
+// inFlightOf returns the key's requests in flight as the listing shows
+// them.
+func inFlightOf(t *testing.T, zone, key string) int {
+	t.Helper()
+	var list struct {
+		Keys []struct {
+			Key      string `json:"key"`
+			InFlight int    `json:"in_flight"`
+		} `json:"keys"`
+	}
+	adminJSON(t, "/rate_limit/"+zone, &list)
+	for _, k := range list.Keys {
+		if k.Key == key {
+			return k.InFlight
+		}
+	}
+	return 0
+}
+
+// A key capped at 3 requests in flight, 10 at once in front of a slow
+// backend: 3 reach it and 7 are refused with Retry-After: 1, saying the
+// cap refused them; when one ends the next is admitted; slots come back
+// when a client goes away and when the upstream fails; once traffic stops
+// the listing and the gauge read 0.
+func TestMaxInFlightEndToEnd(t *testing.T) {
+	zone := fresh("e2e-in-flight")
+	backend := startSlowBackend(t)
+	s := startCaddy(t, "", inFlightSite(zone, backend.addr))
+	type answer struct {
+		status      int
+		retry, body string
+	}
+	send := func(ctx context.Context, path string) answer {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.Base+path, nil)
+		req.Header.Set("X-Client", "c1")
+		resp, err := loadClient.Do(req)
+		if err != nil {
+			return answer{status: -1, body: err.Error()}
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return answer{resp.StatusCode, resp.Header.Get("Retry-After"), string(body)}
+	}
+	var wg sync.WaitGroup
+	answers := make(chan answer, 10)
+	for range 10 {
+		wg.Go(func() { answers <- send(context.Background(), "/") })
+	}
+	refused := 0
+	for refused < 7 {
+		select {
+		case a := <-answers:
+			if a.status != http.StatusTooManyRequests || a.retry != "1" || a.body != "in_flight=true violated="+zone {
+				t.Fatalf("an answer before any request ended: %+v, want 429 for the requests in flight", a)
+			}
+			refused++
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d refused after 10s, want 7", refused)
+		}
+	}
+	if !eventually(func() bool { return backend.flying.Load() == 3 }) {
+		t.Fatalf("%d requests reached the backend, want 3", backend.flying.Load())
+	}
+	if n := inFlightOf(t, zone, "key:c1"); n != 3 {
+		t.Errorf("listed in flight: %d, want 3", n)
+	}
+	if got := scrape(t, zone)[`caddy_rate_limit_requests_in_flight{zone="`+zone+`"}`]; got != 3 {
+		t.Errorf("gauge of requests in flight: %v, want 3", got)
+	}
+	// One ends: the next is admitted.
+	backend.release <- struct{}{}
+	if a := <-answers; a.status != http.StatusOK {
+		t.Fatalf("the released request: %+v, want 200", a)
+	}
+	wg.Go(func() { answers <- send(context.Background(), "/") })
+	if !eventually(func() bool { return backend.flying.Load() == 3 }) {
+		t.Fatalf("the next request did not reach the backend: %d there", backend.flying.Load())
+	}
+	// A client goes away: its slot comes back.
+	ctx, cancel := context.WithCancel(context.Background())
+	backend.release <- struct{}{}
+	<-answers
+	wg.Go(func() { answers <- send(ctx, "/") })
+	if !eventually(func() bool { return backend.flying.Load() == 3 }) {
+		t.Fatal("the request to abandon did not reach the backend")
+	}
+	cancel()
+	<-answers
+	if !eventually(func() bool { return inFlightOf(t, zone, "key:c1") == 2 }) {
+		t.Fatalf("in flight after a client left: %d, want 2", inFlightOf(t, zone, "key:c1"))
+	}
+	// The upstream fails: its slot comes back too.
+	wg.Go(func() { answers <- send(context.Background(), "/fail") })
+	if !eventually(func() bool { return backend.flying.Load() == 3 }) {
+		t.Fatal("the failing request did not reach the backend")
+	}
+	for range 3 {
+		backend.release <- struct{}{}
+	}
+	for range 3 {
+		<-answers
+	}
+	wg.Wait()
+	if !eventually(func() bool { return inFlightOf(t, zone, "key:c1") == 0 }) {
+		t.Errorf("in flight once traffic stopped: %d, want 0", inFlightOf(t, zone, "key:c1"))
+	}
+	if got := scrape(t, zone)[`caddy_rate_limit_requests_in_flight{zone="`+zone+`"}`]; got != 0 {
+		t.Errorf("gauge once traffic stopped: %v, want 0", got)
+	}
+	if got := scrape(t, zone)[`caddy_rate_limit_requests_total{result="in_flight",zone="`+zone+`"}`]; got != 7 {
+		t.Errorf("requests refused for the requests in flight: %v, want 7", got)
+	}
+}
