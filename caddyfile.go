@@ -33,7 +33,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		                                  # calendar: hour, day, week, month, from :00, midnight, Monday, the 1st
 //		time_zone   <IANA name>           # of calendar windows; default UTC
 //		max         <n>                   # default 300 requests per key per window
-//		max_in_flight <n>                 # requests of a key served at once; default no cap (memory zones)
+//		max_in_flight <n>                 # requests of a key served at once; default no cap
 //		max_tracked <n>                   # default 100000, at least 1000           (alias: maxTracked)
 //		key         <placeholder>         # default: the client IP ({client_ip})
 //		ipv6_prefix <bits>                # default 64: IPv6 clients grouped per /64

@@ -118,8 +118,9 @@ type RateLimit struct {
 	// MaxInFlight caps the requests of one key of the first limit that
 	// are being served at once, 1 to 1000000; a request past it is
 	// refused with Retry-After: 1 (or waits, with Delay) and spends
-	// nothing. It counts this process's requests: a memory zone's.
-	// Default: no cap.
+	// nothing. A memory zone counts this process's requests, a Redis
+	// zone (exact mode) the fleet's, as leases that live WSLeaseTTL unless
+	// renewed. Default: no cap.
 	MaxInFlight int `json:"max_in_flight,omitempty"`
 
 	// Calendar aligns the first limit's windows to the calendar in
@@ -181,10 +182,10 @@ type RateLimit struct {
 	WSMaxConnectionsPerIP int `json:"ws_max_connections_per_ip,omitempty"`
 
 	// WSLeaseTTL is, on a zone with the Redis store, how long an open
-	// WebSocket's lease on its key's share of WSMaxConnectionsPerIP lasts
-	// unless renewed (every third of it, while the socket lives): the
-	// sockets of an instance that dies stop counting after this long. From
-	// 3s to 1h. Default: 30s.
+	// WebSocket's lease on its key's share of WSMaxConnectionsPerIP, and a
+	// request's slot of MaxInFlight, last unless renewed (every third of
+	// it, while the socket or request lives): those of an instance that
+	// dies stop counting after this long. From 3s to 1h. Default: 30s.
 	WSLeaseTTL caddy.Duration `json:"ws_lease_ttl,omitempty"`
 
 	// WSReject is how a WebSocket handshake over the rate or over
@@ -493,7 +494,7 @@ func (rl *RateLimit) settings() zoneSettings {
 		s.limits = append(s.limits, zonePolicy{name: p.name, storeName: p.check.Name, limit: p.check.Limit})
 	}
 	if rl.Store.isRedis() {
-		s.timeout, s.onError = time.Duration(rl.Store.Timeout), rl.Store.OnError
+		s.timeout, s.onError, s.leaseTTL = time.Duration(rl.Store.Timeout), rl.Store.OnError, time.Duration(rl.WSLeaseTTL)
 	}
 	s.plans = rl.planRules()
 	s.notify = overrideNotifier(rl.ctx, rl.events, rl.logger, rl.Zone)

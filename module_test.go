@@ -57,17 +57,21 @@ func BenchmarkServeHTTP(b *testing.B) {
 		// proxy, which none of these did (proxy.go).
 		server *caddyhttp.Server
 		plans  bool // the request's plan, of three, named by a variable (as vars or map set it)
+		// inFlight caps the key's requests in flight (max_in_flight):
+		// each request takes a slot and gives it back.
+		inFlight int
 	}{
-		{"allowed", MaxRequests, "", false, nil, false},
-		{"refused", 1, "", false, nil, false},
-		{"header-key", MaxRequests, "{http.request.header.X-Client}", false, nil, false},
-		{"disabled", MaxRequests, "", true, nil, false},
-		{"unproxied", MaxRequests, "", false, &caddyhttp.Server{}, false},
-		{"plans", MaxRequests, "", false, nil, true},
+		{"allowed", MaxRequests, "", false, nil, false, 0},
+		{"refused", 1, "", false, nil, false, 0},
+		{"header-key", MaxRequests, "{http.request.header.X-Client}", false, nil, false, 0},
+		{"disabled", MaxRequests, "", true, nil, false, 0},
+		{"unproxied", MaxRequests, "", false, &caddyhttp.Server{}, false, 0},
+		{"plans", MaxRequests, "", false, nil, true, 0},
+		{"max-in-flight", MaxRequests, "", false, nil, false, 1000},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			rl, _ := provisionHandlerIn(b, context.WithValue(context.Background(), caddyhttp.ServerCtxKey, tc.server), "bench_"+tc.name, tc.max, !tc.disabled, func(rl *RateLimit) {
-				rl.Key = tc.key
+				rl.Key, rl.MaxInFlight = tc.key, tc.inFlight
 				if tc.plans {
 					rl.PlanBy = "{http.vars.plan}"
 					rl.Plans = map[string]PlanConfig{"free": {}, "pro": {PlanLimit: PlanLimit{Max: MaxRequests - 1}}, "partner": {}}

@@ -257,7 +257,7 @@ func checkMaxInFlight(what string, n int) error {
 }
 
 // checkInFlight reports every invalid max_in_flight of the handler, its
-// limits and plans, and one with a Redis store, whose fleet-wide count of
+// limits and plans, and one in sync mode, whose fleet-wide count of
 // requests in flight is not built: a cap per process would read as one
 // for the fleet.
 func (rl *RateLimit) checkInFlight() []error {
@@ -270,8 +270,8 @@ func (rl *RateLimit) checkInFlight() []error {
 			errs = append(errs, err)
 		}
 	}
-	if rl.hasInFlightCap() && rl.Store.isRedis() {
-		errs = append(errs, fmt.Errorf("invalid max_in_flight with store redis: requests in flight are counted per process, in a memory zone; a fleet-wide count through Redis is not built yet"))
+	if rl.hasInFlightCap() && rl.Store.isRedis() && rl.Store.Sync != 0 {
+		errs = append(errs, fmt.Errorf("invalid max_in_flight with sync %s: sync mode decides in memory, and its fleet-wide count of requests in flight is not built; use exact mode (no sync) or a memory zone", time.Duration(rl.Store.Sync)))
 	}
 	return errs
 }

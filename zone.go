@@ -136,6 +136,7 @@ type zoneSettings struct {
 	gcInterval time.Duration
 	timeout    time.Duration // Redis only
 	onError    string        // Redis only
+	leaseTTL   time.Duration // Redis only: a lease of a request in flight
 	plans      planRules     // what an override is checked against
 	// notify logs an override's change and emits its event, as the
 	// handler would.
@@ -346,7 +347,7 @@ func (z *zone) apply(s zoneSettings) {
 	for i, l := range s.limits {
 		limits[i] = limiter.Check{Slot: l.slot, Name: l.storeName, Limit: l.limit}
 	}
-	z.store.Configure(limiter.Settings{MaxTracked: s.maxTracked, Limits: limits, Timeout: s.timeout, OnError: s.onError})
+	z.store.Configure(limiter.Settings{MaxTracked: s.maxTracked, Limits: limits, Timeout: s.timeout, OnError: s.onError, LeaseTTL: s.leaseTTL})
 }
 
 // Destruct stops the zone's background work when the last handler naming it

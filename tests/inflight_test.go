@@ -6,17 +6,22 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
 // slowBackend is an upstream whose requests wait until the test lets
 // each go (release), or until their client goes away.
 type slowBackend struct {
 	addr    string
-	flying  atomic.Int64
+	flying  atomic.Int64 // requests waiting now
+	seen    atomic.Int64 // requests that arrived
 	release chan struct{}
 }
 
@@ -30,6 +35,7 @@ func startSlowBackend(t *testing.T) *slowBackend {
 	}
 	b := &slowBackend{addr: l.Addr().String(), release: make(chan struct{})}
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.seen.Add(1)
 		b.flying.Add(1)
 		defer b.flying.Add(-1)
 		select {
@@ -178,4 +184,67 @@ func TestMaxInFlightEndToEnd(t *testing.T) {
 	if got := scrape(t, zone)[`caddy_rate_limit_requests_total{result="in_flight",zone="`+zone+`"}`]; got != 7 {
 		t.Errorf("requests refused for the requests in flight: %v, want 7", got)
 	}
+}
+
+// Two instances on one Redis share the cap: 3 in flight in all, not 3
+// each; a slot one frees the other can take at once; an instance killed
+// with SIGKILL while holding slots frees them within the lease time
+// (ws_lease_ttl).
+func TestFleetMaxInFlight(t *testing.T) {
+	srv := redistest.Start(t)
+	backend := startSlowBackend(t)
+	zone := fresh("e2e-fleet-in-flight")
+	site := strings.Replace(inFlightSite(zone, backend.addr), "max_in_flight 3", "max_in_flight 3\n\t\tws_lease_ttl 3s\n\t\tstore redis {\n\t\t\taddress "+srv.Addr+"\n\t\t}", 1)
+	a := startCaddy(t, "", site)
+	port := freePort()
+	b, cmd := runCaddyCmd(t, fmt.Sprintf(globals, freePort(), port, freePort(), "")+strings.ReplaceAll(site, "$PORT", fmt.Sprint(port)), port)
+	send := func(base string) int {
+		req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
+		req.Header.Set("X-Client", "c1")
+		resp, err := loadClient.Do(req)
+		if err != nil {
+			return -1
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	for range 3 {
+		go send(b)
+	}
+	if !eventuallyAcross(func() bool { return backend.flying.Load() == 3 }) {
+		t.Fatalf("%d requests through the other instance reached the backend, want 3", backend.flying.Load())
+	}
+	if got := send(a.Base); got != http.StatusTooManyRequests {
+		t.Fatalf("a fourth, through this instance: %d, want 429: the cap is the fleet's", got)
+	}
+	// One of the other instance's ends: its slot is free for this one at
+	// once (given back off the response's path).
+	backend.release <- struct{}{}
+	freed := time.Now()
+	go func() {
+		for send(a.Base) == http.StatusTooManyRequests {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	if !eventually(func() bool { return backend.seen.Load() == 4 }) {
+		t.Fatal("the freed slot was never taken through this instance")
+	}
+	t.Logf("a slot freed on one instance was taken through the other %s later", time.Since(freed).Round(time.Millisecond))
+	// The other instance dies holding 2 slots: they lapse.
+	killed := time.Now()
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	for backend.seen.Load() == 4 {
+		if time.Since(killed) > 10*time.Second {
+			t.Fatal("the dead instance's slots never lapsed")
+		}
+		go send(a.Base) // admitted: it waits at the backend
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Logf("a slot was free %s after the instance holding two was killed (lease time 3s)", time.Since(killed).Round(100*time.Millisecond))
+	if d := time.Since(killed); d > 6*time.Second {
+		t.Errorf("slots freed %s after the kill, want within the 3s lease and the polling's slack", d)
+	}
+	close(backend.release)
 }

@@ -171,6 +171,10 @@ type Check struct {
 	// whose key holds them all refuses the request (Verdict.InFlightFull),
 	// and nothing is spent in any check.
 	MaxInFlight int
+	// Lease names the slot an admitted check with a MaxInFlight holds in a
+	// store that keeps them as leases (Redis): Decide sets it, Release
+	// gives it back. Empty elsewhere.
+	Lease string
 	// NoBan keeps a refusal from starting a ban (Limit.Ban): other
 	// requests of the key hold units while they are served, and may give
 	// them back (count_status), or the handler only tries its limits (dry
@@ -365,6 +369,9 @@ type Settings struct {
 	// (OnErrorLocal when empty). A memory store reads neither.
 	Timeout time.Duration
 	OnError string
+	// LeaseTTL is how long a Fleet store's lease of a request in flight
+	// (MaxInFlight) lives unless renewed: a dead instance's lapse after it.
+	LeaseTTL time.Duration
 }
 
 // sliding returns the requests the sliding-window counter holds against a

@@ -1,9 +1,6 @@
 package limiter
 
-import (
-	"context"
-	"strings"
-)
+import "context"
 
 // Requests in flight (Check.MaxInFlight) on the memory store: each shard
 // counts the slots its keys hold per limit, and a key with none is not
@@ -17,9 +14,9 @@ func (sh *memShard) takeSlot(slot int, key string) {
 		m = make(map[string]int32)
 		sh.flying[slot] = m
 	}
-	if _, ok := m[key]; !ok {
-		key = strings.Clone(key) // the request's key must not pin what it was cut from
-	}
+	// The key is kept as the request gave it: a key leaves the map when
+	// its last request ends, and what a key string pins (a client IP, a
+	// key the handler built) is a few bytes.
 	m[key]++
 }
 

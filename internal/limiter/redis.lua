@@ -11,7 +11,10 @@
 --              microseconds of Redis time)
 --   KEYS[k+1]  refused key   KEYS[k+2]  previous count key
 --   KEYS[k+3]  ban key       KEYS[k+4]  strikes key      (only when it bans)
--- and its arguments, ARGV[7i-6] to ARGV[7i]:
+--   then       leases key: the requests in flight, a sorted set of lease
+--              ids scored with the Redis time (ms) at which each lapses
+--              unless renewed                   (only with a max_in_flight)
+-- and its arguments, ARGV[8i-7] to ARGV[8i]:
 --   max; window in milliseconds;
 --   cutoff: milliseconds from now at which a fixed window begun under a
 --     longer window (a reload shortened it) ends at the latest; at or below
@@ -26,14 +29,19 @@
 --     ms>:<no ban>" (the longest above the ban: each violation within a
 --     day of the previous ban's end doubles the ban; no ban 1: a refusal
 --     of this request starts none, since requests in flight hold units).
---     A violation is a refusal by the count of a request of one unit.
--- Returns, for check i, 7 values from 7i-6: whether the count admits the
+--     A violation is a refusal by the count of a request of one unit;
+--   in flight: "" without a max_in_flight, else "<max>:<lease ms>:<lease
+--     id>": the request is refused when the key holds max live leases, and
+--     takes the lease when admitted.
+-- Returns, for check i, 8 values from 8i-7: whether the count admits the
 -- request (1|0; a ban refuses it all the same), count (for GCRA the units in
 -- the bucket), milliseconds to the end of the window (for GCRA until the
 -- bucket is full), refused, previous window's count, milliseconds to wait
 -- when the count refuses (0: the caller works it out from the rest), and
 -- the milliseconds left of the key's ban (0: not banned; -1: a violation
--- that no ban 1 kept from starting one).
+-- that no ban 1 kept from starting one), and the key's requests in flight
+-- after the decision (-1: they fill its max_in_flight, which refused the
+-- request; 0 without one).
 --
 -- A fixed window is its count key, expiring when the window ends. A sliding
 -- window's count key expires a window after its window ends, so that it can
@@ -92,12 +100,12 @@ local function tally(k)
 	error(t) -- out of memory, read-only, ...: the decision fails
 end
 
-local n = #ARGV / 7
+local n = #ARGV / 8
 local checks = {}
 local admit = true
 local k = 1
 for i = 1, n do
-	local a = 7 * i - 7
+	local a = 8 * i - 8
 	local ch = {
 		c = KEYS[k], r = KEYS[k + 1], p = KEYS[k + 2],
 		-- The cutoff and the burst stay strings until they are needed:
@@ -112,6 +120,20 @@ for i = 1, n do
 		ch.ban, ch.banmax, ch.noban = tonumber(ban), tonumber(banmax), noban == '1'
 		ch.b, ch.s = KEYS[k], KEYS[k + 1]
 		k = k + 2
+	end
+	if ARGV[a + 8] ~= '' then
+		-- Requests in flight: lapsed leases go (their instance died or
+		-- lost them), then the live ones are counted.
+		local cap, ttl, id = string.match(ARGV[a + 8], '^(%d+):(%d+):(.+)$')
+		ch.f, ch.cap, ch.fttl, ch.fid = KEYS[k], tonumber(cap), tonumber(ttl), id
+		k = k + 1
+		ch.nowms = math.floor(clock() / 1000)
+		redis.call('ZREMRANGEBYSCORE', ch.f, '-inf', ch.nowms)
+		ch.flying = redis.call('ZCARD', ch.f)
+		if ch.flying >= ch.cap then
+			ch.flyfull = true
+			admit = false
+		end
 	end
 	local c = ch.c
 	local ok
@@ -308,7 +330,18 @@ for i = 1, n do
 		redis.call('PEXPIRE', r, math.max(left, ban))
 		ch.banned = ban
 	end
-	local o = 7 * i - 7
+	local flying = 0
+	if ch.flyfull then
+		flying = -1
+	elseif ch.f then
+		flying = ch.flying
+		if admit then
+			redis.call('ZADD', ch.f, ch.nowms + ch.fttl, ch.fid)
+			redis.call('PEXPIRE', ch.f, ch.fttl)
+			flying = flying + 1
+		end
+	end
+	local o = 8 * i - 8
 	out[o + 1] = ch.countok and 1 or 0
 	out[o + 2] = ch.count
 	out[o + 3] = left
@@ -316,5 +349,6 @@ for i = 1, n do
 	out[o + 5] = ch.prev
 	out[o + 6] = ch.retry
 	out[o + 7] = ch.banned
+	out[o + 8] = flying
 end
 return out

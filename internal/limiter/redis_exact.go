@@ -39,6 +39,7 @@ type RedisStore struct {
 	boxed    atomic.Pointer[boxedLimit] // the last fixed limit's script arguments
 	local    *MemoryStore               // the on_error local fallback
 	refused  refusedCache
+	flying   flyingLeases // the leases of this instance's requests in flight
 }
 
 // NewRedisStore returns an exact RedisStore (opts.Sync is not read: see
@@ -78,6 +79,7 @@ func (s *RedisStore) SetMaxTracked(n int) {
 // fallback store is configured alike.
 func (s *RedisStore) Configure(st Settings) {
 	s.configure(st)
+	s.flying.ttl.Store(int64(st.LeaseTTL))
 	s.SetMaxTracked(st.MaxTracked)
 	s.local.Configure(st)
 }
@@ -140,20 +142,31 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	// A decision that arrives before the client's first contact with Redis
 	// ends waits for it, and then has its whole timeout.
 	s.awaitWarm(ctx)
+	capped := s.takeLeases(checks)
 	err := s.decideRedis(ctx, checks, now, out)
 	if err != nil {
 		if ctx.Err() != nil {
 			// The request itself was cancelled: no verdict, and no
 			// evidence against Redis.
+			if capped {
+				s.keepLeases(checks, nil, false)
+			}
 			return fmt.Errorf("redis store: %w", ctx.Err())
 		}
 		s.failed(err)
-		return s.fallback(ctx, checks, now, out, err)
+		err = s.fallback(ctx, checks, now, out, err)
+		if capped {
+			s.keepLeases(checks, out, false) // the local store holds the slots
+		}
+		return err
 	}
 	s.succeeded()
+	if capped {
+		s.keepLeases(checks, out, true)
+	}
 	for i := range checks {
 		c := &checks[i]
-		if !out[i].Allowed && c.cost() == 1 {
+		if !out[i].Allowed && c.cost() == 1 && !out[i].InFlightFull {
 			// Cached until a request fits again: the window's end, or
 			// for a sliding window when the previous count has faded
 			// enough (or the ban's end). A costly request's refusal is
@@ -252,6 +265,7 @@ func (s *RedisStore) Ban(ctx context.Context, c Check, now time.Time) (time.Time
 // done.
 func (s *RedisStore) Run(ctx context.Context, interval func() time.Duration) {
 	go s.local.Run(ctx, interval)
+	go s.renewLeases(ctx)
 	s.run(ctx, func(ctx context.Context) {
 		fctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
 		defer cancel()
@@ -270,7 +284,7 @@ func (s *RedisStore) probeOnce(ctx context.Context) error {
 	// The decisions' own path (the auto-pipeliner, when on): a probe
 	// through another connection would call a Redis healthy that the
 	// decisions still cannot reach.
-	_, err := s.runScript(ctx, hitScript, []string{base + "c", base + "r", base + "p"}, []any{1 << 30, 1000, 1000, 0, 1, 0, ""})
+	_, err := s.runScript(ctx, hitScript, []string{base + "c", base + "r", base + "p"}, []any{1 << 30, 1000, 1000, 0, 1, 0, "", ""})
 	if err == nil {
 		_, err = s.runScript(ctx, fixedScript, []string{base + "c", base + "r"}, []any{1 << 30, 1000, 1000, 1})
 	}

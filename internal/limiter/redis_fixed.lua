@@ -1,6 +1,6 @@
 -- The decision script of the common case: one fixed-window limit that does
 -- not ban. It follows redis.lua's rules for that case exactly, with the same
--- 7 results, in little more than half Redis's time: no tables, no parsing,
+-- 8 results, in little more than half Redis's time: no tables, no parsing,
 -- and no read of the count. It adds the cost first and takes it back when
 -- the limit refuses, so an admitted request in a running window costs Redis
 -- two calls (PTTL, INCRBY), and a refusal writes the count twice (refusals
@@ -62,7 +62,7 @@ if count <= max then
 		redis.call('PEXPIRE', c, ARGV[2])
 		redis.call('DEL', r)
 	end
-	return {1, count, left, 0, 0, 0, 0}
+	return {1, count, left, 0, 0, 0, 0, 0}
 end
 -- Refused: the count goes back to what it was (a key that did not exist
 -- is removed again).
@@ -86,4 +86,4 @@ else
 	end
 	redis.call('PEXPIRE', r, left)
 end
-return {0, count, left, refused, 0, 0, 0}
+return {0, count, left, refused, 0, 0, 0, 0}

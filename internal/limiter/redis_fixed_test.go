@@ -62,7 +62,7 @@ func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
 			args := []any{max, window, cutoff, cost}
 			if script == hitScript {
 				keys = append(keys, base+"p")
-				args = []any{max, window, cutoff, 0, cost, 0, ""}
+				args = []any{max, window, cutoff, 0, cost, 0, "", ""}
 			}
 			var err error
 			res[side], err = script.Run(ctx, client, keys, args...).Int64Slice()
@@ -74,7 +74,7 @@ func TestRedisFixedScriptMatchesGeneral(t *testing.T) {
 			values[side] = [2]string{valueOf(ctx, client, c), valueOf(ctx, client, rk)}
 		}
 		a, b := res[0], res[1]
-		same := len(a) == 7 && len(b) == 7 && within(a[2], b[2])
+		same := len(a) == 8 && len(b) == 8 && within(a[2], b[2])
 		for j := range min(len(a), len(b)) {
 			same = same && (j == 2 || a[j] == b[j])
 		}
@@ -143,7 +143,7 @@ func TestRedisScriptsOutOfMemory(t *testing.T) {
 	for i, k := range keys {
 		var err error
 		if i%2 == 0 {
-			err = hitScript.Run(ctx, client, []string{k.c, k.r, k.c + "p"}, 5, 60_000, 60_000, 0, 1, 0, "").Err()
+			err = hitScript.Run(ctx, client, []string{k.c, k.r, k.c + "p"}, 5, 60_000, 60_000, 0, 1, 0, "", "").Err()
 		} else {
 			err = fixedScript.Run(ctx, client, []string{k.c, k.r}, 5, 60_000, 60_000, 1).Err()
 		}

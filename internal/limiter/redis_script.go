@@ -36,7 +36,7 @@ func fixedOne(checks []Check) bool {
 		return false
 	}
 	l := &checks[0].Limit
-	return !l.GCRA() && !l.Sliding() && l.Ban == 0
+	return !l.GCRA() && !l.Sliding() && l.Ban == 0 && checks[0].MaxInFlight == 0
 }
 
 // releaseScript gives back what admitted requests spent: a Cluster
@@ -48,12 +48,17 @@ var releaseSource string
 var releaseScript = redis.NewScript(releaseSource)
 
 // keysPerCheck is how many Redis keys a check's decision touches: count,
-// refused and previous count, and ban and strikes when its limit bans.
+// refused and previous count, ban and strikes when its limit bans, and the
+// leases of its requests in flight when it has a max_in_flight.
 func keysPerCheck(c *Check) int {
+	n := 3
 	if c.Limit.Ban > 0 {
-		return 5
+		n += 2
 	}
-	return 3
+	if c.MaxInFlight > 0 {
+		n++
+	}
+	return n
 }
 
 // decisionDeadline is a context with a deadline that the decisions starting
@@ -96,7 +101,7 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 	}
 	ctx = s.decisionCtx()
 	if fixedOne(checks) {
-		var buf [7]int64 // the reply, off the heap
+		var buf [8]int64 // the reply, off the heap
 		res, err := s.runCmd(ctx, fixedScript, s.fixedCmd(&checks[0], now), buf[:0])
 		if err != nil {
 			return err
@@ -116,6 +121,9 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 		k[0], k[1], k[2] = base+"c", base+"r", base+"p"
 		if c.Limit.Ban > 0 {
 			k[3], k[4] = base+"b", base+"s"
+		}
+		if c.MaxInFlight > 0 {
+			k[keysPerCheck(c)-1] = base + "f"
 		}
 	}
 	_, cluster := s.client.(*redis.ClusterClient)
@@ -170,6 +178,17 @@ func (s *RedisStore) decideRedis(ctx context.Context, checks []Check, now time.T
 		return nil
 	}
 	s.release(ctx, checks, reserved, nil, now)
+	var leased []Check // the leases the admitting slots took
+	for _, idx := range reserved {
+		for _, j := range idx {
+			if checks[j].Lease != "" {
+				leased = append(leased, checks[j])
+			}
+		}
+	}
+	if len(leased) > 0 {
+		go s.dropLeases(leased)
+	}
 	for i := range checks {
 		c := &checks[i]
 		if out[i].Allowed {
@@ -225,7 +244,7 @@ func gcraBack(c *Check, v Verdict, now time.Time) int64 {
 // keysPerCheck counts for each, in order) share one slot.
 func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []string, now time.Time, out []Verdict) error {
 	// Sized to the checks: the arguments escape to the heap with the call.
-	args := make([]any, 7*len(checks))
+	args := make([]any, 8*len(checks))
 	for i := range checks {
 		c := &checks[i]
 		mode, burst := 0, int64(0)
@@ -241,7 +260,7 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		case c.Limit.Sliding():
 			mode = 1
 		}
-		a := args[7*i : 7*i+7]
+		a := args[8*i : 8*i+8]
 		a[0], a[1], a[2], a[3] = c.Limit.Max, window, cutoff, mode
 		a[4], a[5], a[6] = c.cost(), burst, ""
 		if c.Limit.Ban > 0 {
@@ -250,6 +269,10 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 				noBan = ":1"
 			}
 			a[6] = strconv.FormatInt(c.Limit.Ban.Milliseconds(), 10) + ":" + strconv.FormatInt(c.Limit.BanMax.Milliseconds(), 10) + noBan
+		}
+		a[7] = ""
+		if c.MaxInFlight > 0 {
+			a[7] = strconv.Itoa(c.MaxInFlight) + ":" + strconv.FormatInt(s.leaseTTL().Milliseconds(), 10) + ":" + c.Lease
 		}
 	}
 	res, err := s.runScript(ctx, hitScript, keys, args)
@@ -262,8 +285,8 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 // verdicts reads the checks' verdicts from a decision script's results, 7
 // per check (see redis.lua).
 func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []Verdict) error {
-	if len(res) != 7*len(checks) {
-		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 7*len(checks))
+	if len(res) != 8*len(checks) {
+		return fmt.Errorf("redis store: decision script returned %d values, want %d", len(res), 8*len(checks))
 	}
 	t := now.UnixNano()
 	// A bucket's times count from when Redis ran the script, after now:
@@ -272,7 +295,7 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 	replied := s.clock.Now()
 	for i := range checks {
 		c := &checks[i]
-		r := res[7*i : 7*i+7]
+		r := res[8*i : 8*i+8]
 		left := time.Duration(r[2]) * time.Millisecond
 		if c.Limit.Calendar != nil {
 			// The key expires at the calendar's boundary, give or take
@@ -280,7 +303,7 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 			left = min(left, time.Duration(c.Limit.Calendar.End(now.UnixNano())-now.UnixNano()))
 		}
 		v := Verdict{
-			Allowed:   r[0] == 1 && r[6] <= 0,
+			Allowed:   r[0] == 1 && r[6] <= 0 && r[7] >= 0,
 			Max:       c.Limit.Max,
 			Remaining: int(max(int64(c.Limit.Max)-r[1], 0)),
 			Reset:     now.Add(left),
@@ -301,6 +324,10 @@ func (s *RedisStore) verdicts(checks []Check, res []int64, now time.Time, out []
 			case c.Limit.Sliding():
 				v.RetryAfter = max(c.Limit.slidingWait(r[4], r[1], reset, t, c.cost()), time.Millisecond)
 			}
+		}
+		if r[7] < 0 && r[0] == 1 && r[6] <= 0 {
+			// Refused for the key's requests in flight alone.
+			v.InFlightFull, v.RetryAfter = true, time.Second
 		}
 		if !v.Allowed {
 			v.FirstRefusal = r[3] == 1

@@ -1,0 +1,173 @@
+package limiter
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// Requests in flight (Check.MaxInFlight) on the exact store: each slot is
+// a lease in a sorted set per key and limit (the base's "f" key), taken by
+// the decision script in the same call as the decision, renewed every
+// third of its time to live while the request lives, and given back when
+// it ends. A dead instance's leases lapse within the time to live; the
+// script drops lapsed ones before it counts.
+
+// DefaultLeaseTTL is a lease's time to live when Settings gives none.
+const DefaultLeaseTTL = 30 * time.Second
+
+// flyingLeases are the leases this instance's requests in flight hold.
+type flyingLeases struct {
+	ttl    atomic.Int64 // time.Duration
+	prefix string       // this instance's, before each lease's number
+	seq    atomic.Uint64
+	mu     sync.Mutex
+	held   map[string]string // lease id → its sorted set's key
+}
+
+// leaseTTL returns the time to live of the store's leases.
+func (s *RedisStore) leaseTTL() time.Duration {
+	if d := time.Duration(s.flying.ttl.Load()); d > 0 {
+		return d
+	}
+	return DefaultLeaseTTL
+}
+
+// newLeaseID returns a lease id no other instance's or request's shares.
+func (f *flyingLeases) newLeaseID() string {
+	if f.prefix == "" {
+		var b [8]byte
+		_, _ = rand.Read(b[:])
+		f.prefix = hex.EncodeToString(b[:]) + ":"
+	}
+	return f.prefix + strconv.FormatUint(f.seq.Add(1), 36)
+}
+
+// takeLeases names a lease for each capped check before the decision.
+func (s *RedisStore) takeLeases(checks []Check) bool {
+	capped := false
+	for i := range checks {
+		if c := &checks[i]; c.MaxInFlight > 0 {
+			c.Lease, capped = s.flying.newLeaseID(), true
+		}
+	}
+	return capped
+}
+
+// keepLeases records the leases of an admitted decision, which the renewal
+// keeps alive until Release; for a decision that was not admitted (or
+// not decided by Redis) it clears them, and gives back what Redis may hold
+// of them when it may hold some (an error: the script may have run).
+func (s *RedisStore) keepLeases(checks []Check, out []Verdict, redisDecided bool) {
+	admitted := redisDecided
+	for i := range checks {
+		admitted = admitted && out[i].Allowed
+	}
+	if admitted {
+		s.flying.mu.Lock()
+		if s.flying.held == nil {
+			s.flying.held = map[string]string{}
+		}
+		for i := range checks {
+			if c := &checks[i]; c.Lease != "" {
+				s.flying.held[c.Lease] = s.base(c.Name, s.tag(c.Key)) + "f"
+			}
+		}
+		s.flying.mu.Unlock()
+		return
+	}
+	var lost []Check
+	for i := range checks {
+		if c := &checks[i]; c.Lease != "" {
+			if !redisDecided {
+				lost = append(lost, *c) // the script may have run with its reply lost
+			}
+			c.Lease = ""
+		}
+	}
+	if len(lost) > 0 {
+		go s.dropLeases(lost)
+	}
+}
+
+// Release implements Store: each capped check's lease goes from the
+// renewal at once and from Redis without the caller waiting; a check
+// decided in-process (on_error local) gives back its local slot.
+func (s *RedisStore) Release(_ context.Context, checks []Check) error {
+	var leased []Check
+	for i := range checks {
+		c := &checks[i]
+		switch {
+		case c.MaxInFlight <= 0:
+		case c.Lease == "":
+			_ = s.local.Release(context.Background(), checks[i:i+1])
+		default:
+			leased = append(leased, *c)
+		}
+	}
+	if len(leased) > 0 {
+		s.flying.mu.Lock()
+		for i := range leased {
+			delete(s.flying.held, leased[i].Lease)
+		}
+		s.flying.mu.Unlock()
+		go s.dropLeases(leased)
+	}
+	return nil
+}
+
+// dropLeases removes the checks' leases from Redis, in one round trip.
+func (s *RedisStore) dropLeases(checks []Check) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.slowTimeout())
+	defer cancel()
+	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i := range checks {
+			c := &checks[i]
+			p.ZRem(ctx, s.base(c.Name, s.tag(c.Key))+"f", c.Lease)
+		}
+		return nil
+	})
+	if err != nil {
+		s.logger.Debug("giving back leases of requests in flight: they lapse by themselves", zap.Error(err))
+	}
+}
+
+// renewLeases renews every lease of a request still in flight, every third
+// of their time to live, until ctx is done.
+func (s *RedisStore) renewLeases(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.clock.NewTimer(s.leaseTTL() / 3).C():
+		}
+		s.flying.mu.Lock()
+		held := make(map[string]string, len(s.flying.held))
+		for id, key := range s.flying.held {
+			held[id] = key
+		}
+		s.flying.mu.Unlock()
+		if len(held) == 0 {
+			continue
+		}
+		ttl := s.leaseTTL().Milliseconds()
+		rctx, cancel := context.WithTimeout(ctx, s.slowTimeout())
+		_, err := s.client.Pipelined(rctx, func(p redis.Pipeliner) error {
+			for id, key := range held {
+				leaseScript.Run(rctx, p, []string{key}, "renew", id, ttl, 0)
+			}
+			return nil
+		})
+		cancel()
+		if err != nil {
+			s.logger.Debug("renewing leases of requests in flight", zap.Error(err))
+		}
+	}
+}
