@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"text/tabwriter"
 	"time"
@@ -210,12 +211,19 @@ func cmdTop(cmd *cobra.Command, args []string) error {
 func printKeys(out io.Writer, list KeyList, by string, now time.Time) error {
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	recent := by == SortRecentRefusals
+	// A column for requests in flight when a listed key has some: a zone
+	// without max_in_flight keeps its table.
+	flying := slices.ContainsFunc(list.Keys, func(k KeyInfo) bool { return k.InFlight > 0 })
 	if recent {
 		fmt.Fprint(tw, "KEY\tPOLICY\tRECENT REFUSALS\tLAST REFUSED\t")
 	} else {
 		fmt.Fprint(tw, "KEY\tPOLICY\t")
 	}
-	fmt.Fprintln(tw, "COUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
+	fmt.Fprint(tw, "COUNT\tREFUSED\tREMAINING\tRESETS IN\tLIMITED")
+	if flying {
+		fmt.Fprint(tw, "\tIN FLIGHT")
+	}
+	fmt.Fprintln(tw)
 	for _, k := range list.Keys {
 		limited, reset := "no", k.Reset
 		if k.Limited {
@@ -233,11 +241,15 @@ func printKeys(out io.Writer, list KeyList, by string, now time.Time) error {
 		}
 		if reset == 0 {
 			// Among the offenders only: no window runs for the key.
-			fmt.Fprintf(tw, "-\t-\t-\t-\t%s\n", limited)
-			continue
+			fmt.Fprintf(tw, "-\t-\t-\t-\t%s", limited)
+		} else {
+			fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s", k.Count, k.Refused, k.Remaining,
+				humanDuration(time.Unix(reset, 0).Sub(now)), limited)
 		}
-		fmt.Fprintf(tw, "%d\t%d\t%d\t%s\t%s\n", k.Count, k.Refused, k.Remaining,
-			humanDuration(time.Unix(reset, 0).Sub(now)), limited)
+		if flying {
+			fmt.Fprintf(tw, "\t%d", k.InFlight)
+		}
+		fmt.Fprintln(tw)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

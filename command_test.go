@@ -137,3 +137,31 @@ func TestHumanDuration(t *testing.T) {
 		}
 	}
 }
+
+// top shows each key's requests in flight in a column of its own, only when
+// a listed key has some.
+func TestPrintKeysInFlight(t *testing.T) {
+	now := time.Unix(1796000000, 0)
+	list := KeyList{Zone: "api", Total: 2, Keys: []KeyInfo{
+		{Key: "key:a", Policy: "api", Count: 5, Remaining: 95, Reset: now.Unix() + 30, InFlight: 3},
+		{Key: "key:b", Policy: "api", Count: 1, Remaining: 99, Reset: now.Unix() + 30},
+	}}
+	var out strings.Builder
+	if err := printKeys(&out, list, SortCount, now); err != nil {
+		t.Fatal(err)
+	}
+	want := `KEY    POLICY  COUNT  REFUSED  REMAINING  RESETS IN  LIMITED  IN FLIGHT
+key:a  api     5      0        95         30s        no       3
+key:b  api     1      0        99         30s        no       0
+2 of 2 keys in zone api
+`
+	if out.String() != want {
+		t.Errorf("printed\n%s\nwant\n%s", out.String(), want)
+	}
+	list.Keys[0].InFlight = 0
+	out.Reset()
+	_ = printKeys(&out, list, SortCount, now)
+	if strings.Contains(out.String(), "IN FLIGHT") {
+		t.Errorf("a column for requests in flight without any:\n%s", out.String())
+	}
+}

@@ -235,6 +235,13 @@ func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Ver
 		if !refusedEarlier(checks, out, i) {
 			rl.zone.offenders.refused(checks[i].Key, p.name, now)
 		}
+		if v.InFlightFull {
+			if c := rl.logger.Check(zapcore.DebugLevel, "requests in flight at their cap"); c != nil {
+				c.Write(zap.String("zone", rl.Zone), zap.String("limit", p.name), zap.String("key", checks[i].Key),
+					zap.Int("max_in_flight", checks[i].MaxInFlight))
+			}
+			continue
+		}
 		if !v.FirstRefusal {
 			continue
 		}

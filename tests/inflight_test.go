@@ -94,8 +94,8 @@ func inFlightOf(t *testing.T, zone, key string) int {
 // A key capped at 3 requests in flight, 10 at once in front of a slow
 // backend: 3 reach it and 7 are refused with Retry-After: 1, saying the
 // cap refused them; when one ends the next is admitted; slots come back
-// when a client goes away and when the upstream fails; once traffic stops
-// the listing and the gauge read 0.
+// when a client goes away, when the upstream fails and across a reload;
+// once traffic stops the listing and the gauge read 0.
 func TestMaxInFlightEndToEnd(t *testing.T) {
 	zone := fresh("e2e-in-flight")
 	backend := startSlowBackend(t)
@@ -168,6 +168,12 @@ func TestMaxInFlightEndToEnd(t *testing.T) {
 	if !eventually(func() bool { return backend.flying.Load() == 3 }) {
 		t.Fatal("the failing request did not reach the backend")
 	}
+	// A reload while 3 are in flight: the old config's requests give
+	// their slots back when they end, and the new config counts them.
+	s.reload("", inFlightSite(zone, backend.addr))
+	if got := send(context.Background(), "/"); got.status != http.StatusTooManyRequests {
+		t.Errorf("a fourth after the reload: %+v, want 429: the 3 in flight still count", got)
+	}
 	for range 3 {
 		backend.release <- struct{}{}
 	}
@@ -181,8 +187,8 @@ func TestMaxInFlightEndToEnd(t *testing.T) {
 	if got := scrape(t, zone)[`caddy_rate_limit_requests_in_flight{zone="`+zone+`"}`]; got != 0 {
 		t.Errorf("gauge once traffic stopped: %v, want 0", got)
 	}
-	if got := scrape(t, zone)[`caddy_rate_limit_requests_total{result="in_flight",zone="`+zone+`"}`]; got != 7 {
-		t.Errorf("requests refused for the requests in flight: %v, want 7", got)
+	if got := scrape(t, zone)[`caddy_rate_limit_requests_total{result="in_flight",zone="`+zone+`"}`]; got != 8 {
+		t.Errorf("requests refused for the requests in flight: %v, want 8 (7, and 1 after the reload)", got)
 	}
 }
 

@@ -180,6 +180,7 @@
 				el('td', '', k.banned_until ? 'banned' : k.limited ? 'yes' : 'no'),
 				el('td', 'num', k.recent_refusals || '—'),
 				el('td', 'num', k.last_refused ? seconds(now - k.last_refused) + ' ago' : '—'),
+				el('td', 'num', k.in_flight || '—'),
 				el('td', '', unblock, ' ', override));
 			row.dataset.key = k.key;
 			body.append(row);
