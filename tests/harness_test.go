@@ -199,3 +199,21 @@ var zoneRuns atomic.Int64
 func fresh(name string) string {
 	return fmt.Sprintf("%s-%d", name, zoneRuns.Add(1))
 }
+
+// statusOf sends a GET of base's / with the header name set to value and
+// returns the status, or -1 when the request failed (an instance that was
+// killed).
+func statusOf(t *testing.T, base, name, value string) int {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, base+"/", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set(name, value)
+	resp, err := loadClient.Do(req)
+	if err != nil {
+		return -1
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}

@@ -204,16 +204,7 @@ func TestFleetMaxInFlight(t *testing.T) {
 	a := startCaddy(t, "", site)
 	port := freePort()
 	b, cmd := runCaddyCmd(t, fmt.Sprintf(globals, freePort(), port, freePort(), "")+strings.ReplaceAll(site, "$PORT", fmt.Sprint(port)), port)
-	send := func(base string) int {
-		req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
-		req.Header.Set("X-Client", "c1")
-		resp, err := loadClient.Do(req)
-		if err != nil {
-			return -1
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	send := func(base string) int { return statusOf(t, base, "X-Client", "c1") }
 	for range 3 {
 		go send(b)
 	}

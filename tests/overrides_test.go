@@ -63,16 +63,7 @@ func TestOverridesEndToEnd(t *testing.T) {
 	mapping := `		k-solo   free    solo
 		k-big    free    big`
 	s := startCaddy(t, "", plansSite(zone, mapping))
-	send := func(key string, n int) (statuses []int, body, limit string) {
-		for i := range n {
-			resp, b := s.get("/", "X-API-Key", key)
-			statuses = append(statuses, resp.StatusCode)
-			if i == 0 {
-				body, limit = b, resp.Header.Get("X-RateLimit-Limit")
-			}
-		}
-		return statuses, body, limit
-	}
+	send := func(key string, n int) ([]int, string, string) { return sendKeyed(s, key, n) }
 	if st, _, _ := send("k-solo", 2); fmt.Sprint(st) != "[200 200]" {
 		t.Fatalf("k-solo on the default plan: %v, want its 2", st)
 	}
@@ -211,16 +202,7 @@ func TestFleetOverrides(t *testing.T) {
 			site := plansRedisSite(zone, "		k-solo free solo", srv.Addr, mode.store)
 			startCaddy(t, "", site)
 			b := startCaddyProcess(t, site)
-			get := func(base string) int {
-				req, _ := http.NewRequest(http.MethodGet, base+"/", nil)
-				req.Header.Set("X-API-Key", "k-solo")
-				resp, err := loadClient.Do(req)
-				if err != nil {
-					t.Fatal(err)
-				}
-				resp.Body.Close()
-				return resp.StatusCode
-			}
+			get := func(base string) int { return statusOf(t, base, "X-API-Key", "k-solo") }
 			untilWindowLeft(time.Minute, 20*time.Second) // sync mode's windows follow the clock
 			admitted := 0
 			for range 3 {

@@ -47,6 +47,20 @@ func plansSite(zone, mapping string) string {
 }`, mapping, zone)
 }
 
+// sendKeyed sends n requests with the API key key to s and reports their
+// statuses, and the body and X-RateLimit-Limit of the first.
+func sendKeyed(s *server, key string, n int) (statuses []int, body, limit string) {
+	s.t.Helper()
+	for i := range n {
+		resp, b := s.get("/", "X-API-Key", key)
+		statuses = append(statuses, resp.StatusCode)
+		if i == 0 {
+			body, limit = b, resp.Header.Get("X-RateLimit-Limit")
+		}
+	}
+	return statuses, body, limit
+}
+
 // Three API keys on three plans get their own quotas, named in the
 // headers and placeholders; a tenant's keys share its guard; a key that a
 // reload maps to a bigger plan mid-window gets the new quota at once,
@@ -59,18 +73,7 @@ func TestPlansEndToEnd(t *testing.T) {
 		k-partner partner initech
 		k-solo   free    solo`
 	s := startCaddy(t, "", plansSite(zone, mapping))
-	// admitted sends n requests with key and reports the statuses, and
-	// the body and X-RateLimit-Limit of the first.
-	admitted := func(key string, n int) (statuses []int, body, limit string) {
-		for i := range n {
-			resp, b := s.get("/", "X-API-Key", key)
-			statuses = append(statuses, resp.StatusCode)
-			if i == 0 {
-				body, limit = b, resp.Header.Get("X-RateLimit-Limit")
-			}
-		}
-		return statuses, body, limit
-	}
+	admitted := func(key string, n int) ([]int, string, string) { return sendKeyed(s, key, n) }
 	for _, tc := range []struct {
 		key         string
 		n           int
