@@ -211,7 +211,7 @@ for i = 1, n do
 			redis.call('DEL', c, ch.r) -- damaged or a GCRA arrival time, as above
 			ttl, v = -2, nil
 		end
-		if ttl > ch.window then
+		if ttl > ch.window + 100 then -- as in redis_fixed.lua
 			local cutoff = tonumber(ARGV[a + 3])
 			if cutoff <= 0 then
 				redis.call('DEL', c, ch.r)

@@ -18,8 +18,11 @@
 local c, r = KEYS[1], KEYS[2]
 local max, window, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[4]
 local ttl = redis.call('PTTL', c)
-if ttl > window then
+if ttl > window + 100 then
 	-- A window begun under a longer window: a reload shortened it.
+	-- (Windows are whole seconds; the 100 ms spare a calendar window,
+	-- whose window is what is left of it by each instance's clock, the
+	-- instances' skew and their rounding.)
 	local cutoff = tonumber(ARGV[3])
 	if cutoff <= 0 then
 		redis.call('DEL', c, r)
