@@ -135,7 +135,6 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n cost -1\n}", `invalid cost "-1": must be a whole number from 0 to 1000000000, or a placeholder`},
 		{"rate_limit {\n cost lots\n}", `invalid cost "lots"`},
 		{"rate_limit {\n max_in_flight 2000000\n}", `invalid max_in_flight 2000000: must be from 1 to 1000000`},
-		{"rate_limit {\n max_in_flight 3\n store redis {\n  address 127.0.0.1:6379\n  sync 1s\n }\n}", `invalid max_in_flight with sync 1s: sync mode decides in memory`},
 		{"rate_limit {\n limit team 5 1m {\n  max_in_flight -1\n }\n}", `invalid limit team max_in_flight "-1"`},
 		{"rate_limit {\n window hour\n algorithm gcra\n}", `invalid window calendar "hour" with algorithm gcra: a GCRA bucket has no window to align`},
 		{"rate_limit {\n window day\n time_zone Mars/Olympus\n}", `invalid time_zone "Mars/Olympus"`},

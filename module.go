@@ -119,8 +119,8 @@ type RateLimit struct {
 	// are being served at once, 1 to 1000000; a request past it is
 	// refused with Retry-After: 1 (or waits, with Delay) and spends
 	// nothing. A memory zone counts this process's requests, a Redis
-	// zone (exact mode) the fleet's, as leases that live WSLeaseTTL unless
-	// renewed. Default: no cap.
+	// zone the fleet's, as leases that live WSLeaseTTL unless renewed.
+	// Default: no cap.
 	MaxInFlight int `json:"max_in_flight,omitempty"`
 
 	// Calendar aligns the first limit's windows to the calendar in

@@ -256,10 +256,8 @@ func checkMaxInFlight(what string, n int) error {
 	return nil
 }
 
-// checkInFlight reports every invalid max_in_flight of the handler, its
-// limits and plans, and one in sync mode, whose fleet-wide count of
-// requests in flight is not built: a cap per process would read as one
-// for the fleet.
+// checkInFlight reports every invalid max_in_flight of the handler and
+// its limits (a plan's are checked with the plan).
 func (rl *RateLimit) checkInFlight() []error {
 	var errs []error
 	if err := checkMaxInFlight("max_in_flight", rl.MaxInFlight); err != nil {
@@ -269,9 +267,6 @@ func (rl *RateLimit) checkInFlight() []error {
 		if err := checkMaxInFlight(fmt.Sprintf("limit %q max_in_flight", l.Name), l.MaxInFlight); err != nil {
 			errs = append(errs, err)
 		}
-	}
-	if rl.hasInFlightCap() && rl.Store.isRedis() && rl.Store.Sync != 0 {
-		errs = append(errs, fmt.Errorf("invalid max_in_flight with sync %s: sync mode decides in memory, and its fleet-wide count of requests in flight is not built; use exact mode (no sync) or a memory zone", time.Duration(rl.Store.Sync)))
 	}
 	return errs
 }

@@ -192,15 +192,23 @@ func TestMaxInFlightEndToEnd(t *testing.T) {
 	}
 }
 
-// Two instances on one Redis share the cap: 3 in flight in all, not 3
-// each; a slot one frees the other can take at once; an instance killed
-// with SIGKILL while holding slots frees them within the lease time
-// (ws_lease_ttl).
+// Two instances on one Redis, exact and sync, share the cap: 3 in flight
+// in all, not 3 each; a slot one frees the other can take at once; an
+// instance killed with SIGKILL while holding slots frees them within the
+// lease time (ws_lease_ttl).
 func TestFleetMaxInFlight(t *testing.T) {
 	srv := redistest.Start(t)
+	for _, mode := range []struct{ name, store string }{{"exact", ""}, {"sync", "sync 100ms"}} {
+		t.Run(mode.name, func(t *testing.T) { testFleetMaxInFlight(t, srv, mode.name, mode.store) })
+	}
+}
+
+// testFleetMaxInFlight is TestFleetMaxInFlight on srv, with more of the
+// store's options (a line, or "").
+func testFleetMaxInFlight(t *testing.T, srv *redistest.Server, mode, more string) {
 	backend := startSlowBackend(t)
-	zone := fresh("e2e-fleet-in-flight")
-	site := strings.Replace(inFlightSite(zone, backend.addr), "max_in_flight 3", "max_in_flight 3\n\t\tws_lease_ttl 3s\n\t\tstore redis {\n\t\t\taddress "+srv.Addr+"\n\t\t}", 1)
+	zone := fresh("e2e-fleet-in-flight-" + mode)
+	site := strings.Replace(inFlightSite(zone, backend.addr), "max_in_flight 3", "max_in_flight 3\n\t\tws_lease_ttl 3s\n\t\tstore redis {\n\t\t\taddress "+srv.Addr+"\n\t\t\t"+more+"\n\t\t}", 1)
 	a := startCaddy(t, "", site)
 	port := freePort()
 	b, cmd := runCaddyCmd(t, fmt.Sprintf(globals, freePort(), port, freePort(), "")+strings.ReplaceAll(site, "$PORT", fmt.Sprint(port)), port)

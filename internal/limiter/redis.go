@@ -98,6 +98,7 @@ type redisCore struct {
 
 	counts keyCounter    // the counts of the zone's keys (CountKeys)
 	watch  overrideWatch // told when the zone's overrides change (WatchOverrides)
+	flying flyingLeases  // the leases of this instance's requests in flight
 
 	owner redisOwner
 }
@@ -172,6 +173,7 @@ func (s *redisCore) configure(st Settings) {
 	s.SetTimeout(st.Timeout)
 	s.SetOnError(st.OnError)
 	s.SetLimits(st.Limits)
+	s.flying.ttl.Store(int64(st.LeaseTTL))
 }
 
 // SetLimits tells the store the zone's limits (Slot, Name and Limit of
@@ -223,8 +225,3 @@ func (s *redisCore) Evictions() uint64 { return 0 }
 var banSource string
 
 var banScript = redis.NewScript(banSource)
-
-// Release implements Store: a Redis store takes no slots for requests in
-// flight (a zone with max_in_flight is a memory zone: the handler refuses
-// the option with a Redis store at load).
-func (s *redisCore) Release(context.Context, []Check) error { return nil }

@@ -39,7 +39,6 @@ type RedisStore struct {
 	boxed    atomic.Pointer[boxedLimit] // the last fixed limit's script arguments
 	local    *MemoryStore               // the on_error local fallback
 	refused  refusedCache
-	flying   flyingLeases // the leases of this instance's requests in flight
 }
 
 // NewRedisStore returns an exact RedisStore (opts.Sync is not read: see
@@ -79,7 +78,6 @@ func (s *RedisStore) SetMaxTracked(n int) {
 // fallback store is configured alike.
 func (s *RedisStore) Configure(st Settings) {
 	s.configure(st)
-	s.flying.ttl.Store(int64(st.LeaseTTL))
 	s.SetMaxTracked(st.MaxTracked)
 	s.local.Configure(st)
 }

@@ -13,12 +13,13 @@ import (
 	"go.uber.org/zap"
 )
 
-// Requests in flight (Check.MaxInFlight) on the exact store: each slot is
-// a lease in a sorted set per key and limit (the base's "f" key), taken by
-// the decision script in the same call as the decision, renewed every
-// third of its time to live while the request lives, and given back when
-// it ends. A dead instance's leases lapse within the time to live; the
-// script drops lapsed ones before it counts.
+// Requests in flight (Check.MaxInFlight) on the Redis stores: each slot is
+// a lease in a sorted set per key and limit (the base's "f" key), renewed
+// every third of its time to live while the request lives, and given back
+// when it ends. The exact store takes it in the decision script's call;
+// the sync store, which decides in memory, in a call of its own after an
+// admitting decision (acquireFlying). A dead instance's leases lapse
+// within the time to live: the scripts drop lapsed ones before they count.
 
 // DefaultLeaseTTL is a lease's time to live when Settings gives none.
 const DefaultLeaseTTL = 30 * time.Second
@@ -33,7 +34,7 @@ type flyingLeases struct {
 }
 
 // leaseTTL returns the time to live of the store's leases.
-func (s *RedisStore) leaseTTL() time.Duration {
+func (s *redisCore) leaseTTL() time.Duration {
 	if d := time.Duration(s.flying.ttl.Load()); d > 0 {
 		return d
 	}
@@ -51,7 +52,7 @@ func (f *flyingLeases) newLeaseID() string {
 }
 
 // takeLeases names a lease for each capped check before the decision.
-func (s *RedisStore) takeLeases(checks []Check) bool {
+func (s *redisCore) takeLeases(checks []Check) bool {
 	capped := false
 	for i := range checks {
 		if c := &checks[i]; c.MaxInFlight > 0 {
@@ -65,7 +66,7 @@ func (s *RedisStore) takeLeases(checks []Check) bool {
 // keeps alive until Release; for a decision that was not admitted (or
 // not decided by Redis) it clears them, and gives back what Redis may hold
 // of them when it may hold some (an error: the script may have run).
-func (s *RedisStore) keepLeases(checks []Check, out []Verdict, redisDecided bool) {
+func (s *redisCore) keepLeases(checks []Check, out []Verdict, redisDecided bool) {
 	admitted := redisDecided
 	for i := range checks {
 		admitted = admitted && out[i].Allowed
@@ -112,19 +113,12 @@ func (s *RedisStore) Release(_ context.Context, checks []Check) error {
 			leased = append(leased, *c)
 		}
 	}
-	if len(leased) > 0 {
-		s.flying.mu.Lock()
-		for i := range leased {
-			delete(s.flying.held, leased[i].Lease)
-		}
-		s.flying.mu.Unlock()
-		go s.dropLeases(leased)
-	}
+	s.releaseLeases(leased)
 	return nil
 }
 
 // dropLeases removes the checks' leases from Redis, in one round trip.
-func (s *RedisStore) dropLeases(checks []Check) {
+func (s *redisCore) dropLeases(checks []Check) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.slowTimeout())
 	defer cancel()
 	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
@@ -141,7 +135,7 @@ func (s *RedisStore) dropLeases(checks []Check) {
 
 // renewLeases renews every lease of a request still in flight, every third
 // of their time to live, until ctx is done.
-func (s *RedisStore) renewLeases(ctx context.Context) {
+func (s *redisCore) renewLeases(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -170,4 +164,141 @@ func (s *RedisStore) renewLeases(ctx context.Context) {
 			s.logger.Debug("renewing leases of requests in flight", zap.Error(err))
 		}
 	}
+}
+
+// localLease marks a sync store's slot taken in this process, while Redis
+// failed and on_error is local.
+const localLease = "local"
+
+// acquireFlying takes, for a decision of the sync store that admitted the
+// request, a lease of each capped check's key in Redis, in one round trip
+// (redis_lease.lua). A key whose leases are all taken refuses the
+// request: what the table counted goes back, and so do the leases taken.
+// When Redis fails, on_error decides: allow admits without a slot, deny
+// refuses with the error, local counts the slot in this process.
+func (s *SyncStore) acquireFlying(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
+	for i := range checks {
+		if !out[i].Allowed {
+			for j := range checks {
+				checks[j].Lease = ""
+			}
+			return nil // refused: no slot to take
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
+	defer cancel()
+	ttl := s.leaseTTL().Milliseconds()
+	cmds := make([]*redis.Cmd, len(checks))
+	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i := range checks {
+			if c := &checks[i]; c.Lease != "" {
+				cmds[i] = leaseScript.Run(ctx, p, []string{s.base(c.Name, s.tag(c.Key)) + "f"}, "acquire", c.Lease, ttl, c.MaxInFlight)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		s.keepLeases(checks, nil, false) // the script may have run: they go
+		return s.flyingFallback(checks, now, out, err)
+	}
+	full := -1
+	for i, cmd := range cmds {
+		if cmd != nil {
+			if n, _ := cmd.Int(); n != 1 {
+				full = i
+			}
+		}
+	}
+	if full < 0 {
+		s.keepLeases(checks, out, true)
+		return nil
+	}
+	_ = s.Refund(ctx, checks, now, out) // the table's counts go back
+	var taken []Check
+	for i := range checks {
+		if c := &checks[i]; c.Lease != "" && i != full {
+			taken = append(taken, *c)
+		}
+		checks[i].Lease = ""
+	}
+	if len(taken) > 0 {
+		go s.dropLeases(taken)
+	}
+	out[full].Allowed, out[full].InFlightFull, out[full].RetryAfter = false, true, time.Second
+	return nil
+}
+
+// flyingFallback decides the slots of an admitted sync decision when Redis
+// failed to take their leases, as on_error says.
+func (s *SyncStore) flyingFallback(checks []Check, now time.Time, out []Verdict, err error) error {
+	switch s.OnError() {
+	case OnErrorAllow:
+		for i := range out[:len(checks)] {
+			out[i].StoreError = true // admitted, without a slot
+		}
+		return nil
+	case OnErrorDeny:
+		_ = s.Refund(context.Background(), checks, now, out)
+		return err
+	}
+	s.flyLocal.mu.Lock()
+	defer s.flyLocal.mu.Unlock()
+	if s.flyLocal.n == nil {
+		s.flyLocal.n = map[string]int{}
+	}
+	for i := range checks {
+		c := &checks[i]
+		if c.MaxInFlight > 0 && s.flyLocal.n[cacheKey(c.Name, c.Key)] >= c.MaxInFlight {
+			_ = s.Refund(context.Background(), checks, now, out)
+			out[i].Allowed, out[i].InFlightFull, out[i].RetryAfter, out[i].StoreError = false, true, time.Second, true
+			return nil
+		}
+	}
+	for i := range checks {
+		if c := &checks[i]; c.MaxInFlight > 0 {
+			s.flyLocal.n[cacheKey(c.Name, c.Key)]++
+			c.Lease = localLease
+			out[i].StoreError = true
+		}
+	}
+	return nil
+}
+
+// Release implements Store: a lease goes from the renewal at once and from
+// Redis without the caller waiting; a slot taken in this process goes from
+// its count.
+func (s *SyncStore) Release(_ context.Context, checks []Check) error {
+	var leased []Check
+	for i := range checks {
+		c := &checks[i]
+		switch c.Lease {
+		case "":
+		case localLease:
+			s.flyLocal.mu.Lock()
+			if k := cacheKey(c.Name, c.Key); s.flyLocal.n[k] > 1 {
+				s.flyLocal.n[k]--
+			} else {
+				delete(s.flyLocal.n, k)
+			}
+			s.flyLocal.mu.Unlock()
+		default:
+			leased = append(leased, *c)
+		}
+	}
+	s.releaseLeases(leased)
+	return nil
+}
+
+// releaseLeases forgets the leases and removes them from Redis without the
+// caller waiting.
+func (s *redisCore) releaseLeases(leased []Check) {
+	if len(leased) == 0 {
+		return
+	}
+	s.flying.mu.Lock()
+	for i := range leased {
+		delete(s.flying.held, leased[i].Lease)
+	}
+	s.flying.mu.Unlock()
+	go s.dropLeases(leased)
 }

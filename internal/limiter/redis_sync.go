@@ -45,6 +45,12 @@ const (
 type SyncStore struct {
 	redisCore
 	table *syncTable
+	// flyLocal counts the slots of requests in flight taken in this
+	// process while Redis failed (on_error local), by cacheKey.
+	flyLocal struct {
+		mu sync.Mutex
+		n  map[string]int
+	}
 }
 
 // NewSyncStore returns a SyncStore syncing every opts.Sync (which must be
@@ -79,6 +85,7 @@ func (s *SyncStore) Configure(st Settings) {
 // syncSweepEvery.
 func (s *SyncStore) Run(ctx context.Context, _ func() time.Duration) {
 	go s.runSync(ctx)
+	go s.renewLeases(ctx)
 	s.run(ctx, nil)
 }
 
@@ -439,9 +446,18 @@ func (sh *syncShard) touch(e *syncEntry) {
 }
 
 // Decide implements Store: from the table alone, never waiting on Redis
-// once the first round has ended. It fails only for more than MaxChecks
-// checks.
+// once the first round has ended, but for the leases of requests in flight
+// (Check.MaxInFlight) an admitting decision takes: see acquireFlying.
 func (s *SyncStore) Decide(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
+	if err := s.decideTable(ctx, checks, now, out); err != nil || !s.takeLeases(checks) {
+		return err
+	}
+	return s.acquireFlying(ctx, checks, now, out)
+}
+
+// decideTable is Decide from the table. It fails only for more than
+// MaxChecks checks.
+func (s *SyncStore) decideTable(ctx context.Context, checks []Check, now time.Time, out []Verdict) error {
 	n := len(checks)
 	if n > MaxChecks || len(out) < n {
 		return fmt.Errorf("redis sync store: %d checks for %d verdicts, at most %d", n, len(out), MaxChecks)
