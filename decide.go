@@ -240,6 +240,7 @@ func (rl *RateLimit) refused(checks []limiter.Check, of []int, out []limiter.Ver
 				c.Write(zap.String("zone", rl.Zone), zap.String("limit", p.name), zap.String("key", checks[i].Key),
 					zap.Int("max_in_flight", checks[i].MaxInFlight))
 			}
+			rl.emitInFlight(p, &checks[i], now)
 			continue
 		}
 		if !v.FirstRefusal {

@@ -22,6 +22,12 @@ import (
 // dry_run (true when the handler let the request through).
 const EventExceeded = "rate_limit_exceeded"
 
+// EventInFlightExceeded is the event emitted when a limit's max_in_flight
+// refuses a request: at most one a second per zone (a flood of refusals
+// is a flood of events otherwise), naming the refusal that emitted it. Its
+// data: zone, limit, key and max_in_flight.
+const EventInFlightExceeded = "rate_limit_in_flight_exceeded"
+
 // eventsApp returns the events app if the config has one, or nil, so that a
 // config without it pays nothing to emit.
 func eventsApp(ctx caddy.Context) (*caddyevents.App, error) {
@@ -67,4 +73,23 @@ func overrideNotifier(ctx caddy.Context, events *caddyevents.App, logger *zap.Lo
 			events.Emit(ctx, event, data)
 		}
 	}
+}
+
+// emitInFlight emits EventInFlightExceeded for c's key, refused at now by
+// p's max_in_flight, unless the zone emitted one less than a second ago or
+// nothing listens.
+func (rl *RateLimit) emitInFlight(p *policy, c *limiter.Check, now time.Time) {
+	if rl.events == nil || !rl.events.ShouldEmit(EventInFlightExceeded) {
+		return
+	}
+	last := rl.zone.inFlightEvent.Load()
+	if now.UnixNano()-last < int64(time.Second) || !rl.zone.inFlightEvent.CompareAndSwap(last, now.UnixNano()) {
+		return
+	}
+	rl.events.Emit(rl.ctx, EventInFlightExceeded, map[string]any{
+		"zone":          rl.Zone,
+		"limit":         p.name,
+		"key":           c.Key,
+		"max_in_flight": c.MaxInFlight,
+	})
 }

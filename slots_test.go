@@ -5,8 +5,13 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+	"time"
 
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/limiter"
 )
 
 // A plan's max_in_flight caps its clients' requests being served at once;
@@ -65,5 +70,41 @@ func TestPlanMaxInFlight(t *testing.T) {
 	}
 	if n := rl.zone.flying.Load(); n != 0 {
 		t.Errorf("%d requests counted in flight, want 0", n)
+	}
+}
+
+// A refusal for requests in flight emits its event, at most one a second
+// per zone.
+func TestInFlightEvent(t *testing.T) {
+	t.Parallel()
+	clk := clock.NewFake(time.Now())
+	t.Cleanup(clock.Use("slots-event", clk))
+	rl, ctx := provisionHandler(t, "slots-event", 100, true, func(rl *RateLimit) { rl.MaxInFlight = 1 })
+	app := new(caddyevents.App)
+	if err := app.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	log := new(eventLog)
+	if err := app.On(EventInFlightExceeded, log); err != nil {
+		t.Fatal(err)
+	}
+	if err := app.Start(); err != nil {
+		t.Fatal(err)
+	}
+	rl.events = app
+	checks := []limiter.Check{{Key: "192.0.2.1", MaxInFlight: 1}}
+	p := &rl.policies[0]
+	rl.emitInFlight(p, &checks[0], clk.Now())
+	rl.emitInFlight(p, &checks[0], clk.Now().Add(500*time.Millisecond))
+	if len(log.events) != 1 {
+		t.Fatalf("%d events within a second, want 1", len(log.events))
+	}
+	e := log.events[0]
+	if e.Data["zone"] != "slots-event" || e.Data["key"] != "192.0.2.1" || e.Data["max_in_flight"] != 1 || e.Data["limit"] != "slots-event" {
+		t.Errorf("event data %v", e.Data)
+	}
+	rl.emitInFlight(p, &checks[0], clk.Now().Add(1100*time.Millisecond))
+	if len(log.events) != 2 {
+		t.Errorf("%d events after a second, want 2", len(log.events))
 	}
 }

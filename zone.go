@@ -63,8 +63,10 @@ type zone struct {
 
 	// wsLive is the number of WebSocket connections open through the zone.
 	wsLive atomic.Int64
-	// flying is the number of requests holding slots of max_in_flight.
-	flying atomic.Int64
+	// flying is the number of requests holding slots of max_in_flight;
+	// inFlightEvent when the zone last emitted EventInFlightExceeded
+	// (Unix ns).
+	flying, inFlightEvent atomic.Int64
 	// ws counts the open WebSocket connections per key, for
 	// ws_max_connections_per_ip.
 	ws wsConns
