@@ -557,3 +557,24 @@ func TestWebSocketNoLeak(t *testing.T) {
 		t.Errorf("backend has %d sockets open after every client left", open)
 	}
 }
+
+// A WebSocket is a request in flight while it lives: with max_in_flight 1
+// it holds its client's slot, so another request of the client is refused
+// with Retry-After: 1 until the socket closes.
+func TestWebSocketHoldsInFlightSlot(t *testing.T) {
+	backend := startEchoBackend(t)
+	s := startCaddy(t, "", wsSite(backend, `
+		zone `+fresh("ws-in-flight")+`
+		window 60
+		max 10
+		max_in_flight 1`, ""))
+	c, _ := s.mustDialWS("/")
+	wantEcho(t, c, "hello")
+	if resp, _ := s.get("/"); resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "1" {
+		t.Fatalf("a request while the socket lives: %d, Retry-After %q; want 429 and 1", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	c.Close(websocket.StatusNormalClosure, "")
+	if !eventually(func() bool { resp, _ := s.get("/"); return resp.StatusCode != http.StatusTooManyRequests }) {
+		t.Fatal("the socket's slot was not given back when it closed")
+	}
+}
