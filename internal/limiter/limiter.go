@@ -77,14 +77,17 @@ func (l *Limit) burst() int64 {
 
 // End returns when a window that would end at reset (Unix nanoseconds) ends
 // under l at t. Only a window begun under a longer Window, one that would
-// end more than a Window after t, is cut short; a calendar window, one that
-// would end past the calendar window holding t.
+// end more than a Window after t, is cut short; for a calendar window, to the
+// end of the calendar window holding t.
 func (l Limit) End(reset, t int64) int64 {
-	if l.Calendar != nil {
-		return min(reset, l.Calendar.End(t)) // never past the calendar window holding t
-	}
 	if reset-t <= int64(l.Window) {
 		return reset
+	}
+	if l.Calendar != nil {
+		// Past a nominal window (a DST day's first hour, or a window a
+		// config without the calendar began): never past the calendar
+		// window holding t.
+		return min(reset, l.Calendar.End(t))
 	}
 	return min(reset, l.cutoff(t))
 }

@@ -300,11 +300,15 @@ func (y *syncTable) shardOf(ck string) int {
 // the one in progress. The shard is locked.
 func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEntry {
 	w := c.Limit.Window.Milliseconds()
+	e := sh.m[ck]
 	end := (ms/w + 1) * w // aligned to the epoch, so every instance agrees
 	if cal := c.Limit.Calendar; cal != nil {
-		end = cal.End(ms*int64(time.Millisecond)) / int64(time.Millisecond)
+		if e != nil && e.cal == cal && ms < e.end {
+			end = e.end // the window in progress: no calendar arithmetic per request
+		} else {
+			end = cal.End(ms*int64(time.Millisecond)) / int64(time.Millisecond)
+		}
 	}
-	e := sh.m[ck]
 	if e == nil {
 		// One copy of the key: the entry's name and key are parts of
 		// the map's (cacheKey).
