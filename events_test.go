@@ -23,20 +23,30 @@ func (l *eventLog) Handle(_ context.Context, e caddy.Event) error {
 	return nil
 }
 
-func TestEventExceededOncePerWindow(t *testing.T) {
-	t.Parallel()
-	rl, ctx := provisionHandler(t, "events-once", 2, true)
+// startEventLog starts an events app in ctx whose log records the events
+// named.
+func startEventLog(t *testing.T, ctx caddy.Context, names ...string) (*caddyevents.App, *eventLog) {
+	t.Helper()
 	app := new(caddyevents.App)
 	if err := app.Provision(ctx); err != nil {
 		t.Fatal(err)
 	}
 	log := new(eventLog)
-	if err := app.On(EventExceeded, log); err != nil {
-		t.Fatal(err)
+	for _, name := range names {
+		if err := app.On(name, log); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := app.Start(); err != nil {
 		t.Fatal(err)
 	}
+	return app, log
+}
+
+func TestEventExceededOncePerWindow(t *testing.T) {
+	t.Parallel()
+	rl, ctx := provisionHandler(t, "events-once", 2, true)
+	app, log := startEventLog(t, ctx, EventExceeded)
 	rl.events = app
 
 	statuses := []int{}

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
@@ -74,19 +73,7 @@ func TestOverrideEvents(t *testing.T) {
 	rl, ctx := provisionHandler(t, "overrides-events", 5, true, func(rl *RateLimit) {
 		rl.Limits = []PolicyConfig{{Name: "hourly", Max: 50, Window: 3600_000_000_000}}
 	})
-	app := new(caddyevents.App)
-	if err := app.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	events := new(eventLog)
-	for _, name := range []string{EventOverrideSet, EventOverrideRemoved} {
-		if err := app.On(name, events); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := app.Start(); err != nil {
-		t.Fatal(err)
-	}
+	app, events := startEventLog(t, ctx, EventOverrideSet, EventOverrideRemoved)
 	core, logs := observer.New(zap.InfoLevel)
 	z := rl.zone
 	z.mu.Lock()

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
@@ -86,17 +85,7 @@ func TestInFlightEvent(t *testing.T) {
 	clk := clock.NewFake(time.Now())
 	t.Cleanup(clock.Use("slots-event", clk))
 	rl, ctx := provisionHandler(t, "slots-event", 100, true, func(rl *RateLimit) { rl.MaxInFlight = 1 })
-	app := new(caddyevents.App)
-	if err := app.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	log := new(eventLog)
-	if err := app.On(EventInFlightExceeded, log); err != nil {
-		t.Fatal(err)
-	}
-	if err := app.Start(); err != nil {
-		t.Fatal(err)
-	}
+	app, log := startEventLog(t, ctx, EventInFlightExceeded)
 	rl.events = app
 	checks := []limiter.Check{{Key: "192.0.2.1", MaxInFlight: 1}}
 	p := &rl.policies[0]

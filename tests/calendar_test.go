@@ -10,6 +10,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
 
@@ -54,23 +55,37 @@ func TestCalendarHourEndToEnd(t *testing.T) {
 	}
 }
 
+// hourClock returns the clock of zone: the time now, or in the last half
+// of an hour that ends at next(now), just past its end, so that at least
+// half an hour of the window is left, with no sleep; it is never more than
+// half an hour ahead of Redis's clock, as sync mode's script needs. It
+// returns the end of the hour the clock is in.
+func hourClock(t *testing.T, zone string, next func(time.Time) time.Time) (*clock.Fake, time.Time) {
+	t.Helper()
+	clk := fakeClock(t, zone)
+	end := next(clk.Now())
+	if end.Sub(clk.Now()) < 30*time.Minute {
+		clk.Set(end.Add(time.Second))
+		end = end.Add(time.Hour)
+	}
+	return clk, end
+}
+
 // On Redis the window's end travels with the count: the count key expires
 // at the next :00, whichever instance began it.
 func TestCalendarHourRedis(t *testing.T) {
 	srv := redistest.Start(t)
 	zone := fresh("e2e-calendar-redis")
+	clk, next := hourClock(t, zone, func(t time.Time) time.Time { return t.Truncate(time.Hour).Add(time.Hour) })
 	s := startCaddy(t, "", calendarSite(zone, "store redis {\n\t\t\taddress "+srv.Addr+"\n\t\t}"))
-	untilWindowLeft(time.Hour, 10*time.Second) // not across an hour's end
 	for range 2 {
 		if resp, _ := s.get("/", "X-Client", "c1"); resp.StatusCode != http.StatusOK {
 			t.Fatalf("within the hour's 2: %d", resp.StatusCode)
 		}
 	}
 	resp, _ := s.get("/", "X-Client", "c1")
-	now := time.Now()
-	next := now.Truncate(time.Hour).Add(time.Hour)
 	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
-	left := int(next.Sub(now) / time.Second)
+	left := int(next.Sub(clk.Now()) / time.Second)
 	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("X-RateLimit-Reset") != strconv.FormatInt(next.Unix(), 10) || retry < left-2 || retry > left+1 {
 		t.Fatalf("the third: %d, Retry-After %d, X-RateLimit-Reset %q; want 429 until %s (%d s)",
 			resp.StatusCode, retry, resp.Header.Get("X-RateLimit-Reset"), next.Format(time.RFC3339), left)
@@ -89,13 +104,8 @@ func TestCalendarHourRedis(t *testing.T) {
 func TestCalendarHourSync(t *testing.T) {
 	srv := redistest.Start(t)
 	zone := fresh("e2e-calendar-sync")
+	clk, next := hourClock(t, zone, func(t time.Time) time.Time { return t.Add(-30 * time.Minute).Truncate(time.Hour).Add(90 * time.Minute) }) // the next :30
 	s := startCaddy(t, "", calendarSite(zone, "time_zone Asia/Kolkata\n\t\tstore redis {\n\t\t\taddress "+srv.Addr+"\n\t\t\tsync 100ms\n\t\t}"))
-	now := time.Now()
-	next := now.Add(-30 * time.Minute).Truncate(time.Hour).Add(90 * time.Minute) // the next :30
-	if time.Until(next) < 10*time.Second {
-		time.Sleep(time.Until(next) + 20*time.Millisecond) // not across the window's end
-		next = next.Add(time.Hour)
-	}
 	for range 2 {
 		if resp, _ := s.get("/", "X-Client", "c1"); resp.StatusCode != http.StatusOK || resp.Header.Get("X-RateLimit-Reset") != strconv.FormatInt(next.Unix(), 10) {
 			t.Fatalf("within the hour's 2: %d, X-RateLimit-Reset %q, want the window to %s", resp.StatusCode, resp.Header.Get("X-RateLimit-Reset"), next.Format(time.RFC3339))
@@ -108,9 +118,15 @@ func TestCalendarHourSync(t *testing.T) {
 	defer rdb.Close()
 	key := "caddy_rate_limit:" + zone + ":{key:c1}:c"
 	var ttl time.Duration
-	if !eventuallyAcross(func() bool { ttl, _ = rdb.PTTL(context.Background(), key).Result(); return ttl > 0 }) {
+	if !eventuallyAcross(func() bool {
+		clk.Advance(100 * time.Millisecond) // the next sync round
+		ttl, _ = rdb.PTTL(context.Background(), key).Result()
+		return ttl > 0
+	}) {
 		t.Fatalf("no round sent the count: PTTL %s", ttl)
 	}
+	// Redis's clock reads the real time: the key expires an hour past
+	// next by it.
 	if want := time.Until(next) + time.Hour; ttl < want-2*time.Second || ttl > want+time.Second {
 		t.Errorf("the count key expires in %s, want %s: at the next :30 and an hour", ttl, want)
 	}

@@ -217,3 +217,19 @@ func statusOf(t *testing.T, base, name, value string) int {
 	resp.Body.Close()
 	return resp.StatusCode
 }
+
+// within polls cond every 10ms until it holds and returns how long that
+// took, failing the test with what once d has passed: for a bound the
+// feature promises (an unblock or an override applied fleet-wide within
+// a second).
+func within(t *testing.T, d time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > d {
+			t.Fatalf("%s: not within %s", what, d)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return time.Since(start)
+}

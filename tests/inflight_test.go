@@ -245,7 +245,7 @@ func testFleetMaxInFlight(t *testing.T, srv *redistest.Server, mode, more string
 			t.Fatal("the dead instance's slots never lapsed")
 		}
 		go send(a.Base) // admitted: it waits at the backend
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond)
 	}
 	t.Logf("a slot was free %s after the instance holding two was killed (lease time 3s)", time.Since(killed).Round(100*time.Millisecond))
 	if d := time.Since(killed); d > 6*time.Second {

@@ -200,7 +200,7 @@ func TestQuotaProbe(t *testing.T) {
 			limit := fmt.Sprintf(`rate_limit {
 			zone %s
 			key {http.request.header.X-API-Key}
-			window 60
+			window 3600
 			max 3
 			cost {cost}
 			%s
@@ -215,7 +215,7 @@ func TestQuotaProbe(t *testing.T) {
 	%s
 	respond "ok"
 }`, limit))
-			untilWindowLeft(time.Minute, 10*time.Second) // sync mode's windows follow the clock
+			untilWindowLeft(time.Hour, 10*time.Second) // sync aligns the hour to the epoch: waits only in its last 10 seconds
 			remaining := func(path string) string {
 				resp, _ := s.get(path, "X-API-Key", "k-probe")
 				return fmt.Sprintf("%d %s", resp.StatusCode, resp.Header.Get("X-RateLimit-Remaining"))
