@@ -188,10 +188,14 @@ func (s *SyncStore) acquireFlying(ctx context.Context, checks []Check, now time.
 	ctx, cancel := context.WithTimeout(ctx, time.Duration(s.timeout.Load()))
 	defer cancel()
 	ttl := s.leaseTTL().Milliseconds()
+	// The pipeline's function sees copies: handing it checks would move
+	// every caller's checks to the heap, capped or not.
+	leases := make([]Check, len(checks))
+	copy(leases, checks)
 	cmds := make([]*redis.Cmd, len(checks))
 	_, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-		for i := range checks {
-			if c := &checks[i]; c.Lease != "" {
+		for i := range leases {
+			if c := &leases[i]; c.Lease != "" {
 				cmds[i] = leaseScript.Run(ctx, p, []string{s.base(c.Name, s.tag(c.Key)) + "f"}, "acquire", c.Lease, ttl, c.MaxInFlight)
 			}
 		}
