@@ -178,6 +178,11 @@ type Check struct {
 	// store that keeps them as leases (Redis): Decide sets it, Release
 	// gives it back. Empty elsewhere.
 	Lease string
+	// force makes a decision spend Cost whatever the key has left: a
+	// charge a response reported (Store.Charge). Such a check is always
+	// admitted, tallies no refusal, starts and heeds no ban and takes no
+	// slot of MaxInFlight.
+	force bool
 	// NoBan keeps a refusal from starting a ban (Limit.Ban): other
 	// requests of the key hold units while they are served, and may give
 	// them back (count_status), or the handler only tries its limits (dry
@@ -296,6 +301,16 @@ type Store interface {
 	// sliding window they go on weighing as the previous count); a GCRA
 	// bucket gets back only what has not dripped back since.
 	Refund(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error
+
+	// Charge settles, at now, what admitted decisions' responses reported
+	// they cost (the response's charge) beside what they spent: check i's
+	// Cost units more are spent in its key's running window, whatever is
+	// left (the window the decision was made in, or the key's next one
+	// when that has ended), with no refusal and no ban; a negative Cost
+	// gives units back as Refund does. verdicts are Decide's. A store
+	// shared over the network sends it off the caller's path and may
+	// return before it lands.
+	Charge(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error
 
 	// Release gives back the slot an admitted decision took in each check
 	// that has a MaxInFlight: once per admitted decision, when its request

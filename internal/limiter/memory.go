@@ -381,6 +381,11 @@ func (s *MemoryStore) judge(sh *memShard, c *Check, e *memEntry, found bool, t i
 		e.roll(t, &c.Limit)
 	}
 	var j judgement
+	if c.force {
+		j.countOK = true
+		*out = Verdict{Max: c.Limit.Max, Reset: time.Unix(0, e.end(t, &c.Limit)), Allowed: true}
+		return j
+	}
 	if c.Limit.Ban > 0 {
 		if b, ok := sh.bans[c.Slot][c.Key]; ok && b.until > t {
 			j.bannedUntil = b.until
@@ -470,6 +475,11 @@ func (s *MemoryStore) Refund(_ context.Context, checks []Check, now time.Time, v
 		sh.mu.Unlock()
 	}
 	return nil
+}
+
+// Charge implements Store. It never returns an error.
+func (s *MemoryStore) Charge(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
+	return charge(ctx, s, checks, now, verdicts)
 }
 
 // sortedUnique writes the distinct values of idx to out in ascending order

@@ -115,7 +115,7 @@ func (s *RedisStore) Decide(ctx context.Context, checks []Check, now time.Time, 
 	cached := false
 	for i := range checks {
 		c := &checks[i]
-		if c.Free {
+		if c.Free || c.force {
 			continue // at max it is admitted: Redis knows; the cache does not
 		}
 		if reset, pend, ok := s.refused.get(cacheKey(c.Name, c.Key), t, c); ok {
@@ -208,6 +208,21 @@ func (s *RedisStore) Refund(ctx context.Context, checks []Check, now time.Time, 
 		c := &checks[g[0]]
 		s.refused.forget(cacheKey(c.Name, c.Key))
 	}
+	return nil
+}
+
+// Charge implements Store: off the caller's path, in a goroutine of its
+// own bounded by the store's timeout for slow calls; a failure is logged.
+// A charge of a decision made by the local fallback store goes there.
+func (s *RedisStore) Charge(_ context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
+	checks, verdicts = slices.Clone(checks), slices.Clone(verdicts)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), s.slowTimeout())
+		defer cancel()
+		if err := charge(ctx, s, checks, now, verdicts); err != nil {
+			s.logger.Warn("charging what a response reported", zap.Error(err))
+		}
+	}()
 	return nil
 }
 

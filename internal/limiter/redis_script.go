@@ -36,7 +36,7 @@ func fixedOne(checks []Check) bool {
 		return false
 	}
 	l := &checks[0].Limit
-	return !l.GCRA() && !l.Sliding() && l.Ban == 0 && checks[0].MaxInFlight == 0
+	return !l.GCRA() && !l.Sliding() && l.Ban == 0 && checks[0].MaxInFlight == 0 && !checks[0].force
 }
 
 // releaseScript gives back what admitted requests spent: a Cluster
@@ -262,6 +262,9 @@ func (s *RedisStore) runDecision(ctx context.Context, checks []Check, keys []str
 		}
 		a := args[8*i : 8*i+8]
 		a[0], a[1], a[2], a[3] = c.Limit.Max, window, cutoff, mode
+		if c.force {
+			a[0] = forcedMax
+		}
 		a[4], a[5], a[6] = c.cost(), burst, ""
 		if c.Limit.Ban > 0 {
 			noBan := ":0"

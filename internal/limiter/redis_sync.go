@@ -541,8 +541,11 @@ func (y *syncTable) verdict(e *syncEntry, c *Check, t int64) Verdict {
 		Remaining: int(max(float64(l.Max)-math.Ceil(held), 0)),
 		Reset:     time.Unix(0, reset),
 	}
-	fits := held+float64(cost) <= float64(l.Max)
+	fits := c.force || held+float64(cost) <= float64(l.Max)
 	switch {
+	case c.force:
+		v.Allowed = true
+		return v
 	case !fits && l.Sliding():
 		v.RetryAfter = max(l.slidingWait(prev, cur, reset, t, cost), time.Millisecond)
 	case !fits:
@@ -631,6 +634,12 @@ func (s *SyncStore) Refund(_ context.Context, checks []Check, _ time.Time, verdi
 		sh.mu.Unlock()
 	}
 	return nil
+}
+
+// Charge implements Store: spent or given back in the table, which the
+// next round sends. It never fails.
+func (s *SyncStore) Charge(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
+	return charge(ctx, s, checks, now, verdicts)
 }
 
 // Ban implements Store: the key is banned here at once and the violation
