@@ -149,6 +149,11 @@ type AbuseControls struct {
 	// it: a route that tells a client what it has left. Default: 1.
 	Cost CostValue `json:"cost,omitempty"`
 
+	// Charge makes the limit charge what the response reports the request
+	// cost, instead of Cost (which it replaces: set one of them). See
+	// ChargeConfig and docs/charges.md. Default: none.
+	Charge *ChargeConfig `json:"charge,omitempty"`
+
 	// Ban refuses a key that goes over the limit for this long from its
 	// first refusal, not only until its window resets; Retry-After and the
 	// quota headers say so. Bans are listed by the admin API
@@ -173,7 +178,10 @@ func (a AbuseControls) over(base AbuseControls) AbuseControls {
 		base.CountStatus = a.CountStatus
 	}
 	if a.Cost != "" {
-		base.Cost = a.Cost
+		base.Cost, base.Charge = a.Cost, nil
+	}
+	if a.Charge != nil {
+		base.Cost, base.Charge = "", a.Charge
 	}
 	if a.Ban != 0 || a.BanMax != 0 {
 		base.Ban, base.BanMax = a.Ban, a.BanMax
@@ -196,6 +204,8 @@ func (a *AbuseControls) unmarshalOption(d *caddyfile.Dispenser, opt, what string
 		}
 	case "ban":
 		a.Ban, a.BanMax, err = parseBan(d)
+	case "charge":
+		a.Charge, err = parseCharge(d, join(what, opt))
 	case "cost", "burst":
 		var val string
 		if val, err = oneArg(d, opt); err != nil {
@@ -263,19 +273,26 @@ func printableValue(v string) string {
 }
 
 // statusRecorder passes a response through and records its status, for
-// count_status, and whether the client was still there when it was
-// written.
+// count_status, whether the client was still there when it was written,
+// and the charges its headers report.
 type statusRecorder struct {
 	caddyhttp.ResponseWriterWrapper
-	ctx    context.Context // the request's: done once the client has gone
-	status int
-	gone   bool // the client had gone when status was written
+	ctx     context.Context // the request's: done once the client has gone
+	status  int
+	gone    bool // the client had gone when status was written
+	charges reported
+}
+
+// final records the response's final status as its headers go out.
+func (w *statusRecorder) final(code int) {
+	w.status, w.gone = code, w.ctx.Err() != nil
+	w.charges.read(w.Header(), "")
 }
 
 // WriteHeader records the first final status.
 func (w *statusRecorder) WriteHeader(code int) {
 	if w.status == 0 && code >= MinFinalStatus {
-		w.status, w.gone = code, w.ctx.Err() != nil
+		w.final(code)
 	}
 	w.ResponseWriterWrapper.WriteHeader(code)
 }
@@ -283,7 +300,7 @@ func (w *statusRecorder) WriteHeader(code int) {
 // Write records 200 when the body is written before any status.
 func (w *statusRecorder) Write(b []byte) (int, error) {
 	if w.status == 0 {
-		w.status, w.gone = http.StatusOK, w.ctx.Err() != nil
+		w.final(http.StatusOK)
 	}
 	return w.ResponseWriterWrapper.Write(b)
 }
@@ -297,14 +314,34 @@ func (w *statusRecorder) Write(b []byte) (int, error) {
 // as well: reverse_proxy aborts so when a client leaves mid-body.
 func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int) (err error) {
 	rec := &statusRecorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, ctx: r.Context()}
+	rec.charges.policies, rec.charges.of = rl.policies, d.of[:n]
 	defer func() { rl.settle(r, rec, err, d, n) }()
 	return next.ServeHTTP(rec, r)
 }
 
 // settle gives back the units of the request's limits that its response,
-// recorded by rec, does not count in (count_status); err is what the
-// handlers after this one returned.
+// recorded by rec, does not count in (count_status), and charges what it
+// reported in the others (charge); err is what the handlers after this
+// one returned.
 func (rl *RateLimit) settle(r *http.Request, rec *statusRecorder, err error, d *decision, n int) {
+	var counted [limiter.MaxChecks]bool
+	for i := range n {
+		counted[i] = true
+	}
+	if rl.countStatus {
+		rl.settleStatus(r, rec, err, d, n, &counted)
+	}
+	if rl.charging {
+		h := rec.Header()
+		rec.charges.read(h, "") // trailers announced before the body
+		rec.charges.read(h, http.TrailerPrefix)
+		rl.charge(r, &rec.charges, d, n, &counted)
+	}
+}
+
+// settleStatus gives back the units of the limits whose count_status the
+// response's status is not in, and clears their counted.
+func (rl *RateLimit) settleStatus(r *http.Request, rec *statusRecorder, err error, d *decision, n int, counted *[limiter.MaxChecks]bool) {
 	status := rec.status
 	decides := status != 0 && !rec.gone
 	if status == 0 && err != nil && r.Context().Err() == nil {
@@ -323,7 +360,7 @@ func (rl *RateLimit) settle(r *http.Request, rec *statusRecorder, err error, d *
 	for i := range n {
 		if !counts(rl.policies[d.of[i]].countStatus, status) {
 			d.refund[k], d.refundOut[k] = d.checks[i], d.out[i]
-			d.kept[i] = false
+			d.kept[i], counted[i] = false, false
 			k++
 		}
 	}

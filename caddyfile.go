@@ -392,6 +392,28 @@ func parseBan(d *caddyfile.Dispenser) (ban, banMax caddy.Duration, err error) {
 	return ban, banMax, nil
 }
 
+// parseCharge parses "charge <header> [estimate <n>] [hide]"; d is at the
+// charge token, and what names the option in errors.
+func parseCharge(d *caddyfile.Dispenser, what string) (*ChargeConfig, error) {
+	args := d.RemainingArgs()
+	if len(args) == 0 {
+		return nil, d.Errf("%s takes a response header, then optionally estimate <units> and hide (charge X-Tokens-Used estimate 100 hide)", what)
+	}
+	c := &ChargeConfig{Header: args[0]}
+	for i := 1; i < len(args); i++ {
+		switch {
+		case args[i] == "hide":
+			c.Hide = true
+		case args[i] == "estimate" && i+1 < len(args):
+			i++
+			c.Estimate = CostValue(args[i])
+		default:
+			return nil, d.Errf("%s: unknown argument %q, want estimate <units> or hide", what, args[i])
+		}
+	}
+	return c, nil
+}
+
 // unmarshalStore parses "store memory" or "store redis { ... }"; d is at
 // the store token.
 func (rl *RateLimit) unmarshalStore(d *caddyfile.Dispenser) error {

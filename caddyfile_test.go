@@ -78,6 +78,16 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 		}`, RateLimit{AbuseControls: AbuseControls{Ban: caddy.Duration(10 * time.Minute)}, Limits: []PolicyConfig{{
 			Name: "tenant", Max: 20, Window: caddy.Duration(10 * time.Second), Key: "{http.request.header.X-Tenant}", BanOff: true,
 		}}}},
+		{"a request limit and a token budget", `rate_limit {
+			max 100
+			limit tokens 100000 1h {
+				key {http.request.header.X-Api-Key}
+				charge X-Tokens-Used estimate 500 hide
+			}
+		}`, RateLimit{Max: 100, Limits: []PolicyConfig{{
+			Name: "tokens", Max: 100000, Window: caddy.Duration(time.Hour), Key: "{http.request.header.X-Api-Key}",
+			AbuseControls: AbuseControls{Charge: &ChargeConfig{Header: "X-Tokens-Used", Estimate: "500", Hide: true}},
+		}}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			gj, _ := json.Marshal(parse(t, tc.input, ""))
@@ -153,6 +163,16 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rate_limit {\n limit x 5 1m {\n  count_status 7xx\n }\n}", `invalid limit "x" count_status "7xx"`},
 		{"rate_limit {\n limit x 5 1m {\n  cost -1\n }\n}", `invalid limit "x" cost "-1"`},
 		{"rate_limit {\n limit x 5 1m {\n  delay 1s\n }\n}", `unrecognized limit option "delay"`},
+		{"rate_limit {\n charge\n}", `charge takes a response header`},
+		{"rate_limit {\n charge X-Tokens later\n}", `charge: unknown argument "later"`},
+		{"rate_limit {\n charge X-Tokens estimate\n}", `charge: unknown argument "estimate"`},
+		{"rate_limit {\n charge {http.request.header.X-Tokens}\n}", `invalid charge "{http.request.header.X-Tokens}": name a response header, not a placeholder`},
+		{"rate_limit {\n charge \"X Tokens\"\n}", `invalid charge "X Tokens": must be a response header's name`},
+		{"rate_limit {\n charge X-Tokens\n cost 2\n}", `invalid charge "X-Tokens" beside cost "2"`},
+		{"rate_limit {\n charge X-Tokens estimate 0\n}", `invalid charge estimate "0": must be at least 1`},
+		{"rate_limit {\n charge X-Tokens estimate 1000000001\n}", `invalid charge estimate "1000000001"`},
+		{"rate_limit {\n algorithm gcra\n charge X-Tokens\n}", `invalid charge "X-Tokens": algorithm gcra does not charge by the response`},
+		{"rate_limit {\n limit tokens 1000 1h {\n  charge X-Tokens\n  cost 3\n }\n}", `invalid limit "tokens" charge "X-Tokens" beside cost "3"`},
 		{"rate_limit {\n zone\n}", "wrong argument count"},
 		{"rate_limit {\n zone a/b\n}", `invalid zone "a/b": use letters, digits and _ - . : only`},
 		{"rate_limit {\n key apikey\n}", `invalid key "apikey": must hold a placeholder`},
@@ -208,6 +228,8 @@ func TestValidateJSON(t *testing.T) {
 		{`{"max": 1000000001}`, "invalid max 1000000001: must be from 1 to 1000000000"},
 		{`{"zone": ".."}`, `invalid zone ".."`},
 		{`{"limits": [{"name": "t", "max": 5, "window": "1m", "ban": "1m", "ban_off": true}]}`, `invalid limit "t" ban 1m0s: the limit sets ban_off (ban off) too`},
+		{`{"charge": {"header": ""}}`, `invalid charge "": must be a response header's name`},
+		{`{"charge": {"header": "X-Tokens", "estimate": "{http.request.uri"}}`, `invalid charge estimate "{http.request.uri"`},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
 			var rl RateLimit

@@ -62,6 +62,9 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 		}
 		if p.costKey != "" {
 			checks[n].Cost = rl.requestCost(p, repl)
+			if p.charge != "" {
+				checks[n].Cost = max(checks[n].Cost, 1) // an estimate holds 1 at least
+			}
 			checks[n].Free = checks[n].Cost == 0
 		}
 		n++
@@ -142,7 +145,7 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	default:
 		rl.zone.countVerdict(allowed, v.StoreError, rl.DryRun)
 	}
-	if allowed && rl.countStatus {
+	if allowed && (rl.countStatus || rl.charging) {
 		return rl.serveCounted(w, r, next, d, n)
 	}
 	if allowed || rl.DryRun {

@@ -51,6 +51,12 @@ var (
 	websocketDesc = prometheus.NewDesc("caddy_rate_limit_websocket_connections",
 		"WebSocket connections open through the zone now.",
 		[]string{"zone"}, nil)
+	chargedDesc = prometheus.NewDesc("caddy_rate_limit_charged_units_total",
+		"Units spent by what responses reported (charge), by zone: the estimate where a response's charge was missing or invalid.",
+		[]string{"zone"}, nil)
+	chargeFaultsDesc = prometheus.NewDesc("caddy_rate_limit_invalid_charges_total",
+		"Responses whose charge (charge) was missing or invalid, so that their estimate stood, by zone and result (missing, invalid).",
+		[]string{"zone", "result"}, nil)
 	inFlightDesc = prometheus.NewDesc("caddy_rate_limit_requests_in_flight",
 		"Requests of the zone's limits with max_in_flight that are being served now.",
 		[]string{"zone"}, nil)
@@ -88,6 +94,8 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- evictionsDesc
 	ch <- websocketDesc
 	ch <- inFlightDesc
+	ch <- chargedDesc
+	ch <- chargeFaultsDesc
 	ch <- storeHealthyDesc
 	ch <- syncRoundTripsDesc
 	ch <- syncBatchesDesc
@@ -115,6 +123,10 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(evictionsDesc, prometheus.CounterValue, float64(z.store.Evictions()), z.name)
 		ch <- prometheus.MustNewConstMetric(websocketDesc, prometheus.GaugeValue, float64(z.wsLive.Load()), z.name)
 		ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(z.flying.Load()), z.name)
+		ch <- prometheus.MustNewConstMetric(chargedDesc, prometheus.CounterValue, float64(z.charged.Load()), z.name)
+		for fault, reason := range chargeFaultNames {
+			ch <- prometheus.MustNewConstMetric(chargeFaultsDesc, prometheus.CounterValue, float64(z.chargeFaults[fault].Load()), z.name, reason)
+		}
 		if f, ok := z.fleet(); ok {
 			healthy := 0.0
 			if f.Healthy() {

@@ -75,6 +75,9 @@ func TestMetricsCountDecisions(t *testing.T) {
 		"caddy_rate_limit_requests_total{in_flight}":        0,
 		"caddy_rate_limit_refusals_total{metrics-count}":    3,
 		"caddy_rate_limit_dry_run_bans_total":               0,
+		"caddy_rate_limit_charged_units_total":              0,
+		"caddy_rate_limit_invalid_charges_total{missing}":   0,
+		"caddy_rate_limit_invalid_charges_total{invalid}":   0,
 		"caddy_rate_limit_tracked_keys":                     2,
 		"caddy_rate_limit_evictions_total":                  0,
 		"caddy_rate_limit_websocket_connections":            0,
@@ -106,8 +109,8 @@ func TestMetricsRegisterOncePerRegistry(t *testing.T) {
 	rl, _ := provisionHandler(t, "metrics-once", 10, true)
 	serve(t, rl, "192.0.2.9")
 	got := zoneSeries(t, reg, "metrics-once")
-	if got["caddy_rate_limit_requests_total{allowed}"] != 1 || len(got) != 13 {
-		t.Errorf("series = %v, want 13 with allowed 1", got)
+	if got["caddy_rate_limit_requests_total{allowed}"] != 1 || len(got) != 16 {
+		t.Errorf("series = %v, want 16 with allowed 1", got)
 	}
 	problems, err := testutil.CollectAndLint(collector{})
 	if err != nil {

@@ -290,8 +290,12 @@ type RateLimit struct {
 	// countStatus is set when a limit counts by response status.
 	countStatus bool
 	costWarned  *atomic.Bool // set once a bad cost value has been logged
-	waitRoom    *waitRoom    // nil without delay
-	inFlight    *inFlight    // nil unless a limit counts by status and bans
+	// charging is set when a limit charges what the response reports;
+	// chargeWarned once a missing or bad charge has been logged.
+	charging     bool
+	chargeWarned *atomic.Bool
+	waitRoom     *waitRoom // nil without delay
+	inFlight     *inFlight // nil unless a limit counts by status and bans
 	// legacyHeaders and ietfHeaders say which quota headers Headers asks
 	// for, decided once.
 	legacyHeaders, ietfHeaders bool
@@ -401,9 +405,11 @@ func (rl *RateLimit) Provision(ctx caddy.Context) error {
 		rl.policies = append(rl.policies, p)
 	}
 	rl.countStatus, rl.costWarned, rl.inFlight = false, new(atomic.Bool), nil
+	rl.charging, rl.chargeWarned = false, new(atomic.Bool)
 	for i := range rl.policies {
 		p := &rl.policies[i]
 		rl.countStatus = rl.countStatus || p.countStatus != nil
+		rl.charging = rl.charging || p.charge != ""
 		// A dry run writes no ban and no escalation strike: a refusal
 		// that would start one reports it (refused).
 		p.check.NoBan = rl.DryRun

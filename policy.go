@@ -105,6 +105,8 @@ type policy struct {
 
 	countStatus []statusRange // responses that count; nil: every one
 	costKey     string        // the cost placeholder; "" for the constant check.Cost
+	charge      string        // the response header of the charge (canonical); "": none
+	hideCharge  bool          // the charge header is removed from the response
 	off         bool          // the request's plan switches the limit off
 }
 
@@ -311,6 +313,11 @@ func (l PolicyConfig) abuse(base AbuseControls) AbuseControls {
 func (p *policy) setAbuse(a AbuseControls) {
 	p.countStatus, _ = parseStatusRanges("count_status", a.CountStatus)
 	p.setCost(string(a.Cost))
+	p.charge, p.hideCharge = "", false
+	if a.Charge != nil {
+		p.setCost(string(a.Charge.Estimate))
+		p.charge, p.hideCharge = http.CanonicalHeaderKey(a.Charge.Header), a.Charge.Hide
+	}
 	p.check.Limit.Ban, p.check.Limit.BanMax = time.Duration(a.Ban), time.Duration(a.BanMax)
 	p.check.Limit.Burst = a.Burst
 }

@@ -382,6 +382,47 @@ func checkCost(what, v string) error {
 	return nil
 }
 
+// checkCharge checks a charge (named what): a response header's name, no
+// placeholder (a client could set it), an estimate a cost of at least 1,
+// and no cost beside it.
+func (a AbuseControls) checkCharge(what, algorithm string) []error {
+	var errs []error
+	c := a.Charge
+	switch {
+	case strings.Contains(c.Header, "{"):
+		errs = append(errs, fmt.Errorf("invalid %s %q: name a response header, not a placeholder (a client may control one)", what, c.Header))
+	case !validFieldName(c.Header):
+		errs = append(errs, fmt.Errorf("invalid %s %q: must be a response header's name", what, c.Header))
+	}
+	if a.Cost != "" {
+		errs = append(errs, fmt.Errorf("invalid %s %q beside cost %q: a limit's cost is fixed or charged by the response, set one", what, c.Header, a.Cost))
+	}
+	if algorithm == AlgorithmGCRA {
+		errs = append(errs, fmt.Errorf("invalid %s %q: algorithm gcra does not charge by the response; use fixed or sliding", what, c.Header))
+	}
+	if err := checkCost(what+" estimate", string(c.Estimate)); err != nil {
+		errs = append(errs, err)
+	} else if n, err := strconv.Atoi(string(c.Estimate)); err == nil && n == 0 {
+		errs = append(errs, fmt.Errorf("invalid %s estimate %q: must be at least 1 (a key is admitted while it has the estimate left)", what, c.Estimate))
+	}
+	return errs
+}
+
+// validFieldName reports whether name is an HTTP header field name: one
+// or more token characters (RFC 9110, section 5.1).
+func validFieldName(name string) bool {
+	if name == "" {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if c >= 0x80 || !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0) {
+			return false
+		}
+	}
+	return true
+}
+
 // checkBan checks a ban and its escalation cap.
 func checkBan(what string, ban, banMax time.Duration) error {
 	switch {
@@ -409,6 +450,9 @@ func (a AbuseControls) check(what, algorithm string) []error {
 	}
 	if err := checkBan(join(what, "ban"), time.Duration(a.Ban), time.Duration(a.BanMax)); err != nil {
 		errs = append(errs, err)
+	}
+	if a.Charge != nil {
+		errs = append(errs, a.checkCharge(join(what, "charge"), algorithm)...)
 	}
 	if a.Burst != 0 {
 		if algorithm != AlgorithmGCRA {

@@ -53,6 +53,10 @@ type zone struct {
 	results [numResults]atomic.Uint64
 	// dryRunBans counts the bans dry-run handlers would have started.
 	dryRunBans atomic.Uint64
+	// charged counts the units responses charged (charge), and
+	// chargeFaults the responses whose charge was missing or invalid.
+	charged      atomic.Uint64
+	chargeFaults [numChargeFaults]atomic.Uint64
 	// refusals counts refusals by limit name (*atomic.Uint64); names come
 	// from configs, so they stay few.
 	refusals sync.Map

@@ -90,6 +90,9 @@ func TestMetricsAcrossReload(t *testing.T) {
 		series("tracked_keys", "e2e-metrics", ""):                   2,
 		series("evictions_total", "e2e-metrics", ""):                0,
 		series("dry_run_bans_total", "e2e-metrics", ""):             0,
+		series("charged_units_total", "e2e-metrics", ""):            0,
+		series("invalid_charges_total", "e2e-metrics", "missing"):   0,
+		series("invalid_charges_total", "e2e-metrics", "invalid"):   0,
 		series("websocket_connections", "e2e-metrics", ""):          0,
 		series("requests_in_flight", "e2e-metrics", ""):             0,
 	}
