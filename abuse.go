@@ -286,7 +286,7 @@ type statusRecorder struct {
 // final records the response's final status as its headers go out.
 func (w *statusRecorder) final(code int) {
 	w.status, w.gone = code, w.ctx.Err() != nil
-	w.charges.read(w.Header(), "")
+	w.charges.read(w.Header(), false)
 }
 
 // WriteHeader records the first final status.
@@ -333,8 +333,8 @@ func (rl *RateLimit) settle(r *http.Request, rec *statusRecorder, err error, d *
 	}
 	if rl.charging {
 		h := rec.Header()
-		rec.charges.read(h, "") // trailers announced before the body
-		rec.charges.read(h, http.TrailerPrefix)
+		rec.charges.read(h, false) // trailers announced before the body
+		rec.charges.read(h, true)
 		rl.charge(r, &rec.charges, d, n, &counted)
 	}
 }

@@ -59,15 +59,19 @@ type reported struct {
 	found    [limiter.MaxChecks]bool
 }
 
-// read takes the values of the charge headers in h not read yet, under
-// prefix ("" or http.TrailerPrefix), and removes the hidden ones.
-func (c *reported) read(h http.Header, prefix string) {
+// read takes the values of the charge headers in h not read yet, and
+// removes the hidden ones: as headers (or trailers announced before the
+// body), or with late as trailers that were not (http.TrailerPrefix).
+func (c *reported) read(h http.Header, late bool) {
 	for i, o := range c.of {
 		p := &c.policies[o]
-		if p.charge == "" {
+		if p.charge == "" || (c.found[i] && !p.hideCharge) {
 			continue
 		}
-		name := prefix + p.charge
+		name := p.charge
+		if late {
+			name = p.chargeLate
+		}
 		if vv, ok := h[name]; ok && !c.found[i] {
 			c.found[i] = true
 			if len(vv) > 0 {

@@ -101,6 +101,11 @@ func BenchmarkServeHTTP(b *testing.B) {
 // runs its admitted path in the benchmark loop for requests from one client
 // IP with the given headers (name, value pairs).
 func benchServe(b *testing.B, rl *RateLimit, headers ...string) {
+	benchServeNext(b, rl, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil }), headers...)
+}
+
+// benchServeNext is benchServe with next as the handler after rl.
+func benchServeNext(b *testing.B, rl *RateLimit, next caddyhttp.Handler, headers ...string) {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	on := true
@@ -120,12 +125,35 @@ func benchServe(b *testing.B, rl *RateLimit, headers ...string) {
 	c = context.WithValue(c, caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: "203.0.113.9"})
 	r = r.WithContext(c)
 	w := &headerWriter{h: http.Header{}}
-	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 	b.ReportAllocs()
 	for b.Loop() {
 		if err := rl.ServeHTTP(w, r, next); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkServeHTTPCharge is a response that reports its charge (2 in
+// X-Tokens) beside one of a fixed cost of 2, on the memory store: the
+// charge holds 1 on admission and spends 1 more when the response ends.
+func BenchmarkServeHTTPCharge(b *testing.B) {
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		w.Header().Set("X-Tokens", "2")
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	for _, tc := range []struct {
+		name string
+		set  func(*RateLimit)
+	}{
+		{"cost", func(rl *RateLimit) { rl.Cost = "2" }},
+		{"charge", func(rl *RateLimit) { rl.Charge = &ChargeConfig{Header: "X-Tokens"} }},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			rl := &RateLimit{Zone: "bench_charge_" + tc.name, Max: MaxRequests}
+			tc.set(rl)
+			benchServeNext(b, rl, next)
+		})
 	}
 }
 

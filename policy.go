@@ -106,6 +106,7 @@ type policy struct {
 	countStatus []statusRange // responses that count; nil: every one
 	costKey     string        // the cost placeholder; "" for the constant check.Cost
 	charge      string        // the response header of the charge (canonical); "": none
+	chargeLate  string        // charge as an unannounced trailer (http.TrailerPrefix)
 	hideCharge  bool          // the charge header is removed from the response
 	off         bool          // the request's plan switches the limit off
 }
@@ -317,6 +318,7 @@ func (p *policy) setAbuse(a AbuseControls) {
 	if a.Charge != nil {
 		p.setCost(string(a.Charge.Estimate))
 		p.charge, p.hideCharge = http.CanonicalHeaderKey(a.Charge.Header), a.Charge.Hide
+		p.chargeLate = http.TrailerPrefix + p.charge
 	}
 	p.check.Limit.Ban, p.check.Limit.BanMax = time.Duration(a.Ban), time.Duration(a.BanMax)
 	p.check.Limit.Burst = a.Burst

@@ -17,36 +17,45 @@ type decider interface {
 // reaches it, so the script admits the check and starts no ban.
 const forcedMax = 1 << 50
 
-// charge implements Store.Charge over st: the positive Costs as one forced
-// decision, the negative ones as a refund.
+// charge implements Store.Charge over st, in checks and verdicts: the
+// negative Costs are given back as a refund, the positive ones spent as
+// one forced decision.
 func charge(ctx context.Context, st decider, checks []Check, now time.Time, verdicts []Verdict) error {
-	var more, back [MaxChecks]Check
-	var backOut [MaxChecks]Verdict
-	nm, nb := 0, 0
-	for i := range checks {
-		c := checks[i]
-		if i >= len(verdicts) || !verdicts[i].Allowed || c.Cost == 0 || nm+nb == MaxChecks {
+	checks, verdicts = checks[:min(len(checks), len(verdicts))], verdicts[:min(len(checks), len(verdicts))]
+	// Partition in place: what is spent first, then what is given back,
+	// then what is neither (refused, or charged nothing).
+	more, back := 0, len(checks)
+	for i := 0; i < back; {
+		c := &checks[i]
+		switch {
+		case !verdicts[i].Allowed || c.Cost == 0:
+			back--
+			checks[i], checks[back] = checks[back], checks[i]
+			verdicts[i], verdicts[back] = verdicts[back], verdicts[i]
 			continue
+		case c.Cost > 0:
+			checks[i], checks[more] = checks[more], checks[i]
+			verdicts[i], verdicts[more] = verdicts[more], verdicts[i]
+			more++
 		}
+		i++
+	}
+	for i := range checks[:back] {
+		c := &checks[i]
 		c.Free, c.MaxInFlight, c.Lease, c.NoBan = false, 0, "", true
-		if c.Cost < 0 {
+		if i < more {
+			c.force = true
+			c.Limit.Ban, c.Limit.BanMax = 0, 0
+		} else {
 			c.Cost = -c.Cost
-			back[nb], backOut[nb] = c, verdicts[i]
-			nb++
-			continue
 		}
-		c.force = true
-		c.Limit.Ban, c.Limit.BanMax = 0, 0
-		more[nm] = c
-		nm++
 	}
 	var errs [2]error
-	if nm > 0 {
-		var out [MaxChecks]Verdict
-		errs[0] = st.Decide(ctx, more[:nm], now, out[:nm])
+	if back > more {
+		errs[0] = st.Refund(ctx, checks[more:back], now, verdicts[more:back])
 	}
-	if nb > 0 {
-		errs[1] = st.Refund(ctx, back[:nb], now, backOut[:nb])
+	if more > 0 {
+		errs[1] = st.Decide(ctx, checks[:more], now, verdicts[:more])
 	}
 	return errors.Join(errs[0], errs[1])
 }

@@ -307,9 +307,9 @@ type Store interface {
 	// Cost units more are spent in its key's running window, whatever is
 	// left (the window the decision was made in, or the key's next one
 	// when that has ended), with no refusal and no ban; a negative Cost
-	// gives units back as Refund does. verdicts are Decide's. A store
-	// shared over the network sends it off the caller's path and may
-	// return before it lands.
+	// gives units back as Refund does. verdicts are Decide's. Charge may
+	// rewrite checks and verdicts. A store shared over the network sends
+	// it off the caller's path and may return before it lands.
 	Charge(ctx context.Context, checks []Check, now time.Time, verdicts []Verdict) error
 
 	// Release gives back the slot an admitted decision took in each check
