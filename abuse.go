@@ -279,14 +279,16 @@ type statusRecorder struct {
 	caddyhttp.ResponseWriterWrapper
 	ctx     context.Context // the request's: done once the client has gone
 	status  int
-	gone    bool // the client had gone when status was written
-	charges reported
+	gone    bool      // the client had gone when status was written
+	charges *reported // the decision's, when a limit charges; else nil
 }
 
 // final records the response's final status as its headers go out.
 func (w *statusRecorder) final(code int) {
 	w.status, w.gone = code, w.ctx.Err() != nil
-	w.charges.read(w.Header(), false)
+	if w.charges != nil {
+		w.charges.read(w.Header(), false)
+	}
 }
 
 // WriteHeader records the first final status.
@@ -314,7 +316,10 @@ func (w *statusRecorder) Write(b []byte) (int, error) {
 // as well: reverse_proxy aborts so when a client leaves mid-body.
 func (rl *RateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, d *decision, n int) (err error) {
 	rec := &statusRecorder{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, ctx: r.Context()}
-	rec.charges.policies, rec.charges.of = rl.policies, d.of[:n]
+	if rl.charging {
+		d.charges = reported{policies: rl.policies, of: d.of[:n]}
+		rec.charges = &d.charges
+	}
 	defer func() { rl.settle(r, rec, err, d, n) }()
 	return next.ServeHTTP(rec, r)
 }
@@ -335,7 +340,7 @@ func (rl *RateLimit) settle(r *http.Request, rec *statusRecorder, err error, d *
 		h := rec.Header()
 		rec.charges.read(h, false) // trailers announced before the body
 		rec.charges.read(h, true)
-		rl.charge(r, &rec.charges, d, n, &counted)
+		rl.charge(r, rec.charges, d, n, &counted)
 	}
 }
 

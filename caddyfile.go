@@ -50,6 +50,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //			max_in_flight <n>             # default: no cap (not the handler's)
 //			count_status <status>...|all  # default: the handler's; so are cost, ban and burst
 //			cost    <n>|<placeholder>
+//			charge  <header> [estimate <n>|<placeholder>] [hide]
 //			ban     <duration> [escalate [<longest>]] | off
 //			burst   <n>
 //		}]
@@ -64,6 +65,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		burst       <n>                   # gcra: requests at once from a full bucket; default max
 //		count_status <status>...          # only these responses count: 401, 4xx, 500-599
 //		cost        <n>|<placeholder>     # units a request spends, 0 to read the quota; default 1
+//		charge      <header> [estimate <n>|<placeholder>] [hide] # or: what the response reports it cost
 //		ban         <duration> [escalate [<longest>]] # refuse an offender this long; escalate doubles, default up to 24h
 //		delay       <duration>            # wait up to this long instead of refusing; at most 1m
 //		delay_per_key <n>                 # requests of one key waiting at once; default 4
@@ -267,7 +269,7 @@ func (rl *RateLimit) unmarshalLimit(d *caddyfile.Dispenser) error {
 		case "max_in_flight":
 			l.MaxInFlight, err = parseInt(d, "limit "+l.Name+" max_in_flight", val, 1)
 		default:
-			return d.Errf("unrecognized limit option %q: want key, missing, max_in_flight, count_status, cost, ban or burst", opt)
+			return d.Errf("unrecognized limit option %q: want key, missing, max_in_flight, count_status, cost, charge, ban or burst", opt)
 		}
 		if err != nil {
 			return err

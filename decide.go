@@ -204,6 +204,8 @@ type decision struct {
 	// kept marks the checks whose units stayed spent once the request
 	// was served (for inFlight).
 	kept [limiter.MaxChecks]bool
+	// charges are what the response reported (charge), while it is served.
+	charges reported
 }
 
 // recycle returns d to the pool, holding no request's keys: refund holds
@@ -212,6 +214,7 @@ func (d *decision) recycle() {
 	clear(d.checks[:d.n])
 	clear(d.refund[:d.n])
 	clear(d.kept[:d.n])
+	d.charges = reported{}
 	d.n = 0
 	decisions.Put(d)
 }
