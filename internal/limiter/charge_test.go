@@ -78,21 +78,30 @@ func TestCharge(t *testing.T) {
 	}
 }
 
-// A refused decision is charged nothing, whatever its response reported.
+// A refused decision is charged nothing, whatever its response reported:
+// charged beside an admitted one in one call, only the admitted one lands.
 func TestChargeRefused(t *testing.T) {
 	lim := Limit{Window: time.Minute, Max: 1}
 	forEachStore(t, []Check{{Limit: lim}}, func(t *testing.T, s Store) {
 		c := Check{Key: "203.0.113.10", Limit: lim}
-		decide(t, s, time.Now(), c)
-		out, ok := decide(t, s, time.Now(), c)
+		admitted, _ := decide(t, s, time.Now(), c)
+		refused, ok := decide(t, s, time.Now(), c)
 		if ok {
 			t.Fatal("second request of max 1 admitted")
 		}
-		c.Cost = 5
-		if err := s.Charge(context.Background(), []Check{c}, time.Now(), out); err != nil {
+		refusedCharge, admittedCharge := c, c
+		refusedCharge.Cost, admittedCharge.Cost = 5, 2
+		checks := []Check{refusedCharge, admittedCharge}
+		if err := s.Charge(context.Background(), checks, time.Now(), []Verdict{refused[0], admitted[0]}); err != nil {
 			t.Fatal(err)
 		}
-		chargeAndSee(t, s, c, []Verdict{{Allowed: true}}, 0, 1)
+		got := 0
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && got != 3; time.Sleep(5 * time.Millisecond) {
+			got = spent(t, s, c.Key, time.Now())
+		}
+		if got != 3 {
+			t.Fatalf("after charges of 5 (refused) and 2 (admitted) on 1 spent: %d, want 3", got)
+		}
 	})
 }
 
