@@ -39,6 +39,9 @@ type RedisStore struct {
 	boxed    atomic.Pointer[boxedLimit] // the last fixed limit's script arguments
 	local    *MemoryStore               // the on_error local fallback
 	refused  refusedCache
+	// chargeFailing is set from a failed charge until one lands, so that
+	// an outage logs its first failed charge, not every one.
+	chargeFailing atomic.Bool
 }
 
 // NewRedisStore returns an exact RedisStore (opts.Sync is not read: see
@@ -212,15 +215,18 @@ func (s *RedisStore) Refund(ctx context.Context, checks []Check, now time.Time, 
 }
 
 // Charge implements Store: off the caller's path, in a goroutine of its
-// own bounded by the store's timeout for slow calls; a failure is logged.
-// A charge of a decision made by the local fallback store goes there.
+// own bounded by the store's timeout for slow calls. The first failure
+// after a charge that landed is logged.
 func (s *RedisStore) Charge(_ context.Context, checks []Check, now time.Time, verdicts []Verdict) error {
 	checks, verdicts = slices.Clone(checks), slices.Clone(verdicts)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), s.slowTimeout())
 		defer cancel()
-		if err := charge(ctx, s, checks, now, verdicts); err != nil {
-			s.logger.Warn("charging what a response reported", zap.Error(err))
+		err := charge(ctx, s, checks, now, verdicts)
+		if err == nil {
+			s.chargeFailing.Store(false)
+		} else if !s.chargeFailing.Swap(true) {
+			s.logger.Warn("charging what a response reported failed; further failures are not logged until a charge lands", zap.Error(err))
 		}
 	}()
 	return nil
