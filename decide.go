@@ -214,7 +214,9 @@ func (d *decision) recycle() {
 	clear(d.checks[:d.n])
 	clear(d.refund[:d.n])
 	clear(d.kept[:d.n])
-	d.charges = reported{}
+	if d.charges.of != nil { // a limit charged: drop the reported values
+		d.charges = reported{}
+	}
 	d.n = 0
 	decisions.Put(d)
 }

@@ -31,17 +31,24 @@ func spent(t *testing.T, s Store, key string, now time.Time) int {
 func chargeAndSee(t *testing.T, s Store, c Check, out []Verdict, cost, want int) {
 	t.Helper()
 	c.Cost = cost
-	now := time.Now()
-	if err := s.Charge(context.Background(), []Check{c}, now, out); err != nil {
+	if err := s.Charge(context.Background(), []Check{c}, time.Now(), out); err != nil {
 		t.Fatal(err)
 	}
-	got := 0
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		if got = spent(t, s, c.Key, now); got == want {
-			return
-		}
+	if got := spentSoon(t, s, c.Key, want); got != want {
+		t.Fatalf("after a charge of %d: %d spent, want %d", cost, got, want)
 	}
-	t.Fatalf("after a charge of %d: %d spent, want %d", cost, got, want)
+}
+
+// spentSoon polls what s counts for key until it is want (a Redis store
+// charges off the caller's path), for up to 5s, and returns the last count.
+func spentSoon(t *testing.T, s Store, key string, want int) int {
+	t.Helper()
+	got := spent(t, s, key, time.Now())
+	for deadline := time.Now().Add(5 * time.Second); got != want && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+		got = spent(t, s, key, time.Now())
+	}
+	return got
 }
 
 // A charge spends what the response reported whatever is left, past max
@@ -95,11 +102,7 @@ func TestChargeRefused(t *testing.T) {
 		if err := s.Charge(context.Background(), checks, time.Now(), []Verdict{refused[0], admitted[0]}); err != nil {
 			t.Fatal(err)
 		}
-		got := 0
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && got != 3; time.Sleep(5 * time.Millisecond) {
-			got = spent(t, s, c.Key, time.Now())
-		}
-		if got != 3 {
+		if got := spentSoon(t, s, c.Key, 3); got != 3 {
 			t.Fatalf("after charges of 5 (refused) and 2 (admitted) on 1 spent: %d, want 3", got)
 		}
 	})
