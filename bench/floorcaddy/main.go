@@ -1,6 +1,6 @@
 // Command floorcaddy is Caddy with the rate_limit module and, for bench/load
-// only, the redis_floor and quota_floor handlers (bench/redisfloor,
-// bench/headerfloor).
+// only, the redis_floor, quota_floor and keys_floor handlers
+// (bench/redisfloor, bench/headerfloor, bench/keysfloor).
 package main
 
 import (
@@ -10,6 +10,7 @@ import (
 
 	_ "github.com/caddy-rate-limit/caddy-rate-limit"
 	_ "github.com/caddy-rate-limit/caddy-rate-limit/bench/headerfloor"
+	_ "github.com/caddy-rate-limit/caddy-rate-limit/bench/keysfloor"
 	_ "github.com/caddy-rate-limit/caddy-rate-limit/bench/redisfloor"
 )
 

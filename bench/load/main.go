@@ -69,12 +69,16 @@ var scenarios = []scenario{
 	{name: "floor: quota headers, refused", floor: true, limit: "quota_floor refuse"},
 	{name: "admitted, 100000 clients", clients: 100_000,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"},
+	// The floor of any limiter that counts each client: a sharded Go map
+	// from the client to a counter, nothing else (bench/keysfloor).
+	{name: "floor: count per key, 100000 clients", clients: 100_000, floor: true, limit: "keys_floor"},
 	{name: "admitted, 1000000 IPv4 clients", clients: 1_000_000, xff: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 1100000\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline on", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline on\n\t\t}\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
+	{name: "floor: count per key, 1000000 IPv4 clients", clients: 1_000_000, xff: true, floor: true, limit: "keys_floor"},
 	// Sync mode: decisions in memory, the keys touched synced every 100ms.
 	// The store's options are the defaults but sync itself.
 	{name: "admitted, 100000 clients, Redis, sync 100ms", clients: 100_000, redis: true,
@@ -129,12 +133,13 @@ func main() {
 	lua := filepath.Join(root, "bench", "clients.lua")
 
 	fmt.Printf("wrk -t1 -c%d -d%s on loopback, %d rounds alternating bare Caddy (A) and Caddy with rate_limit (B); medians\n\n", *conns, *duration, *rounds)
-	fmt.Println("| scenario | A req/s | B req/s | B/A req/s | A CPU µs/req | B CPU µs/req | A/B CPU | B/A req/s, paired | A/B CPU, paired | A p50/p99 ms | B p50/p99 ms | A peak RSS | B peak RSS | B non-2xx |")
-	fmt.Println("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+	fmt.Println("| scenario | A req/s | B req/s | B/A req/s | A CPU µs/req | B CPU µs/req | A/B CPU | B/A req/s, paired | A/B CPU, paired | A p50/p99 ms | B p50/p99 ms | A peak RSS | B peak RSS | B non-2xx | load average, start / end |")
+	fmt.Println("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, sc := range scenarios {
 		if !selected(sc.name, *only) {
 			continue
 		}
+		load0 := loadAverage()
 		var redisAddr string
 		var stopRedis func()
 		if sc.redis {
@@ -177,13 +182,23 @@ func main() {
 			rps = append(rps, b[i].rps/a[i].rps)
 			cpu = append(cpu, a[i].cpuPerReq/b[i].cpuPerReq)
 		}
-		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d |\n",
+		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d | %s / %s |\n",
 			sc.name, ma.rps, mb.rps, mb.rps/ma.rps, ma.cpuPerReq, mb.cpuPerReq, ma.cpuPerReq/mb.cpuPerReq, median(rps), median(cpu),
-			ma.p50, ma.p99, mb.p50, mb.p99, ma.rssMB, mb.rssMB, mb.non2xx)
+			ma.p50, ma.p99, mb.p50, mb.p99, ma.rssMB, mb.rssMB, mb.non2xx, load0, loadAverage())
 		if sc.clients > 0 && !sc.redis {
-			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | | | %.0f B/key | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
+			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | | | %.0f B/key | | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
 		}
 	}
+}
+
+// loadAverage returns the host's one-minute load average (/proc/loadavg),
+// or "?" where there is none.
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if f := strings.Fields(string(b)); err == nil && len(f) > 0 {
+		return f[0]
+	}
+	return "?"
 }
 
 // selected reports whether the scenario is among those -only names: a
