@@ -77,6 +77,9 @@ func BenchmarkServeHTTP(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			rl, _ := provisionHandlerIn(b, context.WithValue(context.Background(), caddyhttp.ServerCtxKey, tc.server), "bench_"+tc.name, tc.max, !tc.disabled, func(rl *RateLimit) {
 				rl.Key, rl.MaxInFlight = tc.key, tc.inFlight
+				if tc.clients > 0 {
+					rl.MaxTracked = 2 * tc.clients // room for every client, as bench/load gives them
+				}
 				if tc.plans {
 					rl.PlanBy = "{http.vars.plan}"
 					rl.Plans = map[string]PlanConfig{"free": {}, "pro": {PlanLimit: PlanLimit{Max: MaxRequests - 1}}, "partner": {}}
