@@ -74,11 +74,11 @@ var scenarios = []scenario{
 	{name: "floor: count per key, 100000 clients", clients: 100_000, floor: true, limit: "keys_floor"},
 	{name: "admitted, 1000000 IPv4 clients", clients: 1_000_000, xff: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 1100000\n\t}"},
+	{name: "floor: count per key, 1000000 IPv4 clients", clients: 1_000_000, xff: true, floor: true, limit: "keys_floor"},
 	{name: "admitted, 100000 clients, Redis, pipeline on", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline on\n\t\t}\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
-	{name: "floor: count per key, 1000000 IPv4 clients", clients: 1_000_000, xff: true, floor: true, limit: "keys_floor"},
 	// Sync mode: decisions in memory, the keys touched synced every 100ms.
 	// The store's options are the defaults but sync itself.
 	{name: "admitted, 100000 clients, Redis, sync 100ms", clients: 100_000, redis: true,
