@@ -32,13 +32,13 @@ func init() {
 	httpcaddyfile.RegisterDirectiveOrder("keys_floor", httpcaddyfile.Before, "respond")
 }
 
-// shards is how many locks the keys are spread over, as the memory store's.
-const shards = 64
+// numShards is how many locks the keys are spread over, as the memory store's.
+const numShards = 64
 
 // Floor counts requests per client and passes every request on.
 type Floor struct {
 	seed   maphash.Seed
-	shards *[shards]shard
+	shards *[numShards]shard
 }
 
 type shard struct {
@@ -53,7 +53,7 @@ func (Floor) CaddyModule() caddy.ModuleInfo {
 
 // Provision makes the maps.
 func (f *Floor) Provision(caddy.Context) error {
-	f.seed, f.shards = maphash.MakeSeed(), new([shards]shard)
+	f.seed, f.shards = maphash.MakeSeed(), new([numShards]shard)
 	for i := range f.shards {
 		f.shards[i].m = make(map[string]uint64)
 	}
@@ -68,7 +68,7 @@ func (f *Floor) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp
 	if key == "" {
 		key, _ = caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
 	}
-	sh := &f.shards[maphash.String(f.seed, key)%shards]
+	sh := &f.shards[maphash.String(f.seed, key)%numShards]
 	sh.mu.Lock()
 	sh.m[key]++
 	sh.mu.Unlock()
