@@ -149,24 +149,32 @@ func (s *redisCore) probe(ctx context.Context) {
 			return
 		case <-timer.C():
 		}
-		// A probe keeps no request waiting, so it may take longer than a
-		// decision: after a restart it must dial (and maybe handshake TLS
-		// and authenticate) before its script runs.
-		pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
-		err := s.owner.probeOnce(pctx)
-		cancel()
-		switch {
-		case ctx.Err() != nil:
+		s.probeStep(ctx)
+		if ctx.Err() != nil {
 			return
-		case err != nil:
-			s.failed(err)
-		case s.state.Load() == stateDegraded:
-			s.transition(stateDegraded, stateRecovering, nil)
-			s.succeeded()
-		default:
-			s.succeeded()
 		}
 		timer.Reset(s.probeEvery)
+	}
+}
+
+// probeStep probes Redis once and records the outcome: a degraded store
+// that Redis answers is recovering.
+func (s *redisCore) probeStep(ctx context.Context) {
+	// A probe keeps no request waiting, so it may take longer than a
+	// decision: after a restart it must dial (and maybe handshake TLS
+	// and authenticate) before its script runs.
+	pctx, cancel := context.WithTimeout(ctx, max(time.Duration(s.timeout.Load()), probeTimeout))
+	err := s.owner.probeOnce(pctx)
+	cancel()
+	switch {
+	case ctx.Err() != nil:
+	case err != nil:
+		s.failed(err)
+	case s.state.Load() == stateDegraded:
+		s.transition(stateDegraded, stateRecovering, nil)
+		s.succeeded()
+	default:
+		s.succeeded()
 	}
 }
 

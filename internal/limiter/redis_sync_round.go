@@ -101,13 +101,7 @@ func (s *SyncStore) runSync(ctx context.Context) {
 	defer tick.Stop()
 	swept := s.clock.Now()
 	for {
-		start := s.clock.Now()
-		y.next.Store(start.Add(y.interval).UnixNano())
-		y.trim()
-		if s.state.Load() != stateDegraded {
-			s.syncRound(ctx, start)
-		}
-		y.setReady()
+		s.syncTick(ctx, s.clock.Now())
 		if now := s.clock.Now(); now.Sub(swept) >= syncSweepEvery {
 			y.sweep(now.UnixMilli())
 			swept = now
@@ -118,6 +112,18 @@ func (s *SyncStore) runSync(ctx context.Context) {
 		case <-tick.C():
 		}
 	}
+}
+
+// syncTick is one turn of the sync loop at start: a round unless the store
+// is DEGRADED, after which the decisions waiting for the first round go on.
+func (s *SyncStore) syncTick(ctx context.Context, start time.Time) {
+	y := s.table
+	y.next.Store(start.Add(y.interval).UnixNano())
+	y.trim()
+	if s.state.Load() != stateDegraded {
+		s.syncRound(ctx, start)
+	}
+	y.setReady()
 }
 
 // syncRound sends the counts of every key touched since the last round and
@@ -306,8 +312,11 @@ func (y *syncTable) collect(s *SyncStore, ms int64) []syncItem {
 		sh := &y.shards[i]
 		sh.mu.Lock()
 		if all {
+			// Every count Redis may read again: the running window's,
+			// the one before it, and the one that just ended (its entry
+			// rolls at its next request).
 			for _, e := range sh.m {
-				if e.end > ms || e.prevMine != e.prevSent {
+				if e.end+e.next(e.end) > ms || e.prevMine != e.prevSent {
 					sh.touch(e)
 				}
 			}
@@ -351,7 +360,7 @@ func (y *syncTable) collect(s *SyncStore, ms int64) []syncItem {
 			if e.sliding {
 				it.weighs = int64(math.Ceil(e.weighs(ms)))
 			}
-			if e.prevMine != e.prevSent {
+			if e.prevMine != e.prevSent || all && e.prevMine > 0 {
 				it.prev = e.prevMine
 			}
 			e.refused = 0
@@ -410,8 +419,11 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		e.prevFleet = prevTotal
 		// What the round leased this instance, and its spare share,
 		// from what it had admitted when the round started. Without
-		// either, the instance holds nothing in Redis: it spends as if
-		// its lease had lapsed.
+		// either, an instance that asked nothing (it gave its lease
+		// back) spends as if its lease had lapsed; one that asked and
+		// was granted nothing spends nothing until a round grants it
+		// more: what it knows free may be held for instances Redis has
+		// not counted yet (redis_sync.lua).
 		e.lease, e.spare, e.held, e.budgetFrom = lease, spare, held, it.mine
 		if y.learning(start.UnixNano()) || total < it.knownFleet {
 			// Redis may not hold the others' counts and leases again
@@ -424,7 +436,7 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 			}
 		}
 		e.leaseUntil = start.UnixNano()
-		if lease+spare > 0 {
+		if lease+spare > 0 || it.want > 0 {
 			e.leaseUntil = start.Add(y.leaseFor()).UnixNano()
 			if !e.leased {
 				e.leased = true
