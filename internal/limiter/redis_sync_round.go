@@ -249,7 +249,7 @@ func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncI
 	keys := make([]string, len(b))
 	args := make([]any, 7, 7+len(b))
 	args[0], args[1], args[2], args[3] = ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare)
-	args[4], args[5], args[6] = y.fleet.Load(), y.rank.Load(), flag(y.learning(ms*int64(time.Millisecond)))
+	args[4], args[5], args[6] = y.fleet.Load(), y.rank.Load(), flag(y.learning(ms))
 	var buf []byte
 	for i := range b {
 		it := &b[i]
@@ -425,13 +425,16 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		// more: what it knows free may be held for instances Redis has
 		// not counted yet (redis_sync.lua).
 		e.lease, e.spare, e.held, e.budgetFrom = lease, spare, held, it.mine
-		if y.learning(start.UnixNano()) || total < it.knownFleet {
+		if y.learning(start.UnixMilli()) {
 			// Redis may not hold the others' counts and leases again
 			// yet, and granted no spare share: the highest count and
 			// leases known stand, and the instance takes its spare
-			// share of what they leave, as a joiner does.
+			// share of what they leave, as a joiner does, once its
+			// first two rounds of the window are over (until then
+			// Redis holds that much for instances it has not counted
+			// yet: redis_sync.lua).
 			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
-			if it.want > 0 {
+			if it.want > 0 && !it.waiting {
 				e.spare = y.spareOf(e.free(max(it.weighs, 0)) - lease)
 			}
 		}
@@ -486,9 +489,10 @@ func (y *syncTable) leaseFor() time.Duration {
 	return 2*y.interval + y.tripTimeout
 }
 
-// learning reports whether at t (Unix ns) the instance is still learning
+// learning reports whether at ms (Unix ms: a round's script and what it
+// reads back judge by the same millisecond) the instance is still learning
 // what the fleet holds after Redis lost its state.
-func (y *syncTable) learning(t int64) bool { return t < y.learnUntil.Load() }
+func (y *syncTable) learning(ms int64) bool { return ms*int64(time.Millisecond) < y.learnUntil.Load() }
 
 // sawEpoch takes the zone's epoch from a roll call at start: when it
 // changed, Redis lost what it held of the zone, so the next round sends
