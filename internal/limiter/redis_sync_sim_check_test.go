@@ -1,0 +1,224 @@
+package limiter
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The fleet simulator's invariants (redis_sync_sim_test.go runs the
+// fleet): each checked as a key's window ends, from docs/redis.md.
+
+// trace prints what in holds of key after an event, when SIM_TRACE names
+// the key (for replaying a seed by hand).
+func (r *simRun) trace(in *simInstance, key, what string) {
+	if os.Getenv("SIM_TRACE") != fmt.Sprintf("%d:%s", r.ep, key) {
+		return
+	}
+	y := in.s.table
+	ck := cacheKey("", key)
+	sh := &y.shards[y.shardOf(ck)]
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[ck]
+	if e == nil {
+		fmt.Printf("%v inst %d: %s (no entry)\n", r.now, in.n, what)
+		return
+	}
+	if strings.HasPrefix(what, "round") {
+		base := in.s.base("", key)
+		c, _ := r.mini.Get(base + "c")
+		h, _ := r.mini.HKeys(base + "h")
+		var fields []string
+		for _, f := range h {
+			fields = append(fields, f+"="+r.mini.HGet(base+"h", f))
+		}
+		what += fmt.Sprintf(" [redis c=%s ttl=%v h=%v]", c, r.mini.TTL(base+"c"), fields)
+	}
+	fmt.Printf("%v inst %d (fleet %d rank %d learning %v epoch %s): %s end %d mine %d sent %d fleet %d lease %d spare %d from %d held %d until %v rounds %d\n",
+		r.now, in.n, y.fleet.Load(), y.rank.Load(), y.learning(in.clk.Now().UnixMilli()), y.epoch, what, e.end, e.mine, e.sent, e.fleet, e.lease, e.spare, e.budgetFrom, e.held,
+		time.Duration(e.leaseUntil-r.base.UnixNano()), e.rounds)
+}
+
+// joinedLate reports whether in is one of docs/redis.md's joiners of kw's
+// key: it sees the key after another instance's second round in the
+// window, or another instance serving the key had not counted it in the
+// fleet when it first saw the key (in's first round came later: the
+// rounds of one step run in the instances' order).
+func (r *simRun) joinedLate(kw *simKeyWindow, in *simInstance) bool {
+	for _, o := range r.insts {
+		if _, ok := kw.first[o.n]; !ok || o == in {
+			continue
+		}
+		if o.okRounds-kw.firstRounds[o.n] >= 2 {
+			return true
+		}
+		if unseen(in, o, kw.view[o.n]) {
+			return true
+		}
+	}
+	return false
+}
+
+// unseen reports whether by's round at view (the last before it first saw
+// a key) could not count in in the fleet: in's first round came later (the
+// rounds of one step run in the instances' order).
+func unseen(in, by *simInstance, view time.Duration) bool {
+	return in.joined > view || in.joined == view && in.n > by.n
+}
+
+// shareTerm is what an instance that sees n instances spends unannounced of
+// max at most: all of it while alone, else half over n.
+func shareTerm(max, n int) int {
+	if n <= 1 {
+		return max
+	}
+	return (max + 2*n - 1) / (2 * n)
+}
+
+// keyWindow returns the record of k's window ending at end, starting it
+// (and scheduling its checks) on first use.
+func (r *simRun) keyWindow(k *simKey, end int64) *simKeyWindow {
+	id := k.name + "@" + strconv.FormatInt(end, 10)
+	kw := r.kws[id]
+	if kw == nil {
+		kw = &simKeyWindow{key: k.name, end: end, max: r.max[k.name], kind: k.kind, balancer: k.balancer,
+			byInst: map[int]int{}, unsent: map[int]int{}, lostBy: map[int]int{}, first: map[int]time.Duration{}, view: map[int]time.Duration{}, fleetAt: map[int]int{}, joiner: map[int]bool{}, firstRounds: map[int]int{}}
+		r.kws[id] = kw
+		r.keyWindows++
+		endSim := time.UnixMilli(end).Sub(r.base)
+		r.checks = append(r.checks, simCheck{at: endSim + 3*simSync + 2*simSkew, kw: kw})
+		slices.SortStableFunc(r.checks, func(a, b simCheck) int { return int(a.at - b.at) })
+	}
+	return kw
+}
+
+// faultWithin reports whether a Redis fault was under way at some time in
+// [from, to].
+func (r *simRun) faultWithin(from, to time.Duration) bool {
+	for _, f := range r.faults {
+		end := f.until
+		if f.restart {
+			end = f.at
+		}
+		if f.trip == 0 && f.at <= to && end >= from {
+			return true
+		}
+	}
+	return false
+}
+
+// check checks a key-window once its window has ended and every instance
+// had a round since: the admitted count within its bound, and Redis's count
+// equal to it.
+func (r *simRun) check(kw *simKeyWindow) {
+	delete(r.kws, kw.key+"@"+strconv.FormatInt(kw.end, 10))
+	endSim := time.UnixMilli(kw.end).Sub(r.base)
+	startSim := endSim - simWindow
+	outage, restart := false, false
+	for _, f := range r.faults {
+		if f.restart && f.at >= startSim-simSkew && f.at <= endSim+simSkew {
+			restart = true
+		}
+		if !f.restart && f.trip == 0 && f.at <= endSim+simSkew && f.until >= startSim-simSkew {
+			outage = true
+		}
+	}
+	bound := kw.max + kw.lost
+	if r.spend == SyncShare {
+		for _, t := range kw.terms {
+			bound += t
+		}
+		if restart {
+			bound += (kw.max + 3) / 4 // docs/redis.md: at most 1.25 × max
+		}
+	} else {
+		n := len(kw.byInst)
+		unseen := int(math.Ceil(kw.rate * (2*simSync + simTrip).Seconds()))
+		bound = kw.max + kw.lost + (n-1)*min(kw.max, unseen)
+		if restart {
+			bound = n*kw.max + kw.lost
+		}
+	}
+	if !outage {
+		if kw.admitted > bound {
+			r.fail("%s admitted %d of max %d in the window ending %d (%s, %s; %d joiners, %d lost with stopped instances), bound %d",
+				kw.key, kw.admitted, kw.max, kw.end, kw.kind, kw.balancer, len(kw.terms), kw.lost, bound)
+		}
+		over := float64(kw.admitted) / float64(kw.max)
+		if over > r.worst || over == r.worst && bound < r.worstBound*kw.max/max(r.worstMax, 1) {
+			r.worst, r.worstAdmit, r.worstBound, r.worstMax = over, kw.admitted, bound, kw.max
+		}
+	}
+	r.checkRedis(kw, outage, endSim)
+}
+
+// checkRedis compares what Redis holds of kw's window with what the fleet
+// admitted, unless a fault or an instance that stopped before sending its
+// count leaves the difference unaccounted for.
+func (r *simRun) checkRedis(kw *simKeyWindow, outage bool, endSim time.Duration) {
+	if outage || r.faultWithin(endSim-simSync-2*simSkew, r.now) {
+		r.uncheckedEqual++
+		return
+	}
+	for n := range kw.byInst {
+		if in := r.insts[n]; in.lastOK < endSim+simSkew {
+			r.uncheckedEqual++
+			return
+		}
+	}
+	in := r.insts[0]
+	held := int64(0)
+	for _, suffix := range []string{"c", "p"} {
+		key := in.s.base("", kw.key) + suffix
+		n, err := in.client.Get(r.ctx, key).Int64()
+		if err == redis.Nil {
+			continue
+		}
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		ttl, err := in.client.PTTL(r.ctx, key).Result()
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		// A count expires a window after its window ends.
+		if ends := r.base.Add(r.now).Add(ttl).Add(-simWindow).UnixMilli(); ends == kw.end {
+			held = n
+		}
+	}
+	r.checkedEqual++
+	if held != int64(kw.admitted) {
+		r.fail("%s: Redis holds %d for the window ending %d, the fleet admitted %d (%v by instance)",
+			kw.key, held, kw.end, kw.admitted, kw.byInst)
+	}
+}
+
+// checkMemory checks, after one of in's sweeps, that it holds no key it has
+// not served in its last two windows.
+func (r *simRun) checkMemory(in *simInstance) {
+	y := in.s.table
+	held := 0
+	for i := range y.shards {
+		sh := &y.shards[i]
+		sh.mu.Lock()
+		for _, e := range sh.m {
+			held++
+			// Gone within a window and a sweep after its window ends
+			// (and a round, if it had counts to send).
+			if last, ok := in.lastReq[e.key]; !ok || r.now-last > 2*simWindow+syncSweepEvery+simSync+2*simSkew {
+				r.fail("instance %d still holds %s, last served at %v", in.n, e.key, last)
+			}
+		}
+		sh.mu.Unlock()
+	}
+	if n := in.s.Len(); n != held {
+		r.fail("instance %d: Len %d, its table holds %d", in.n, n, held)
+	}
+}
