@@ -142,7 +142,7 @@ type simArrival struct {
 type simKey struct {
 	name     string
 	kind     string // idle, light, bursty, surge or hammer
-	balancer string // sticky, round robin, moving or random
+	balancer string // sticky, round robin, moving, spreading or random
 	arrivals []simArrival
 	// killAt is when the instance a surge went to is killed (0: none).
 	killAt time.Duration
@@ -450,7 +450,7 @@ func (k *simKey) plan(r *simRun, start time.Duration) {
 	max := r.max[k.name]
 	k.arrivals = k.arrivals[:0]
 	k.kind = []string{"idle", "light", "light", "bursty", "surge", "hammer"}[r.rng.IntN(6)]
-	k.balancer = []string{"sticky", "round robin", "moving", "random"}[r.rng.IntN(4)]
+	k.balancer = []string{"sticky", "round robin", "moving", "spreading", "random"}[r.rng.IntN(5)]
 	k.moveAt, k.killAt, k.movedAt = start+r.randIn(simWindow), 0, start
 	if r.rng.IntN(2) == 0 {
 		// Early, while the instances serving the key have their first
@@ -519,6 +519,13 @@ func (k *simKey) route(r *simRun) *simInstance {
 		return nil
 	}
 	switch k.balancer {
+	case "spreading":
+		// Sticky, then round robin from moveAt on: instances start
+		// serving a key another is already spending.
+		if r.now < k.moveAt {
+			break
+		}
+		fallthrough
 	case "round robin":
 		k.rr++
 		return live[k.rr%len(live)]
