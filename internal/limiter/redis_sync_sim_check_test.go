@@ -3,7 +3,6 @@ package limiter
 import (
 	"fmt"
 	"math"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,7 +17,7 @@ import (
 // trace prints what in holds of key after an event, when SIM_TRACE names
 // the key (for replaying a seed by hand).
 func (r *simRun) trace(in *simInstance, key, what string) {
-	if os.Getenv("SIM_TRACE") != fmt.Sprintf("%d:%s", r.ep, key) {
+	if r.traced == "" || r.traced != fmt.Sprintf("%d:%s", r.ep, key) {
 		return
 	}
 	y := in.s.table

@@ -175,6 +175,7 @@ type simRun struct {
 	faults []simFault
 	down   bool     // Redis answers errors (an outage)
 	events []string // the episode's schedule, for a failure's report
+	traced string   // SIM_TRACE: <episode>:<key> to trace
 	ctx    context.Context
 
 	// Totals for the last line.
@@ -225,7 +226,7 @@ func TestFleetSimulation(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	start := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
-	r := &simRun{t: t, seed: seed, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), mini: mini, base: start, ctx: ctx}
+	r := &simRun{t: t, seed: seed, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), mini: mini, base: start, ctx: ctx, traced: os.Getenv("SIM_TRACE")}
 	mini.SetTime(start)
 	mini.ClockTTL(true)
 	t.Logf("SIM_SEED=%d SIM_WINDOWS=%d", seed, windows)
