@@ -80,6 +80,9 @@ type simInstance struct {
 	// started.
 	okRounds int
 	joined   time.Duration
+	// reported counts its rounds that reached Redis since Redis last
+	// restarted empty, up to 2.
+	reported int
 }
 
 // simKeyWindow is what the fleet did with one key in one window.
@@ -300,7 +303,7 @@ func (r *simRun) episode(windows int) {
 // join starts an instance now: its first round runs at once, as the sync
 // loop's does, and the balancer sends it requests from then on.
 func (r *simRun) join() {
-	in := &simInstance{n: len(r.insts), lastReq: map[string]time.Duration{}, stint: map[string]time.Duration{}, idle: map[string]bool{}, routed: true, syncing: true, joined: r.now}
+	in := &simInstance{n: len(r.insts), lastReq: map[string]time.Duration{}, stint: map[string]time.Duration{}, idle: map[string]bool{}, routed: true, syncing: true, joined: r.now, reported: 2}
 	in.skew = time.Duration(r.rng.Int64N(int64(2*simSkew+1))) - simSkew
 	in.clk = clock.NewFake(r.base.Add(r.now + in.skew))
 	in.client = redis.NewClient(&redis.Options{Addr: r.mini.Addr(), MaxRetries: -1, DialTimeout: time.Second})
@@ -423,6 +426,9 @@ func (r *simRun) fault(f simFault) {
 		r.mini.SetError("")
 		r.down = false
 		r.mini.FlushAll()
+		for _, in := range r.insts {
+			in.reported = 0
+		}
 		for _, kw := range r.kws {
 			for _, in := range r.insts {
 				if !in.syncing {
@@ -571,6 +577,14 @@ func (r *simRun) step() {
 			in.syncing = false
 			r.logf("instance %d stops", in.n)
 			for _, kw := range r.kws {
+				if in.reported < 2 {
+					// Redis restarted empty after its last resend
+					// (the round after the one that saw the epoch
+					// turn): all it admitted is lost.
+					kw.lost += kw.byInst[in.n] - kw.lostBy[in.n]
+					kw.lostBy[in.n] = kw.byInst[in.n]
+					continue
+				}
 				kw.lost += kw.unsent[in.n]
 				kw.lostBy[in.n] += kw.unsent[in.n]
 			}
@@ -632,6 +646,7 @@ func (r *simRun) roundOf(in *simInstance) {
 		}
 		in.lastOK = r.now
 		in.okRounds++
+		in.reported = min(in.reported+1, 2)
 		for _, kw := range r.kws {
 			delete(kw.unsent, in.n)
 		}
