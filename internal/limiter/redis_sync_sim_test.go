@@ -408,8 +408,14 @@ func (r *simRun) kill(k *simKey) {
 	}
 	for _, in := range live {
 		if in.n == k.sticky {
-			in.routed, in.stopAt, k.killedAt = false, r.now, r.now
+			in.routed, in.stopAt = false, r.now
 			r.logf("instance %d killed", in.n)
+			// Every key whose traffic it served moves on.
+			for _, o := range r.keys {
+				if o.sticky == in.n {
+					o.killedAt = r.now
+				}
+			}
 		}
 	}
 }
