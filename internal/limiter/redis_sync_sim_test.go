@@ -229,9 +229,19 @@ func TestFleetSimulation(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	start := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
-	r := &simRun{t: t, seed: seed, rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), mini: mini, base: start, ctx: ctx, traced: os.Getenv("SIM_TRACE")}
+	r := &simRun{t: t, seed: seed, mini: mini, base: start, ctx: ctx, traced: os.Getenv("SIM_TRACE")}
 	mini.SetTime(start)
 	mini.ClockTTL(true)
+	if r.traced != "" {
+		// The traced episode alone: each draws from its own generator.
+		ep, _, ok := strings.Cut(r.traced, ":")
+		n, err := strconv.Atoi(ep)
+		if !ok || err != nil || n < 1 {
+			t.Fatalf("SIM_TRACE %q: want <episode>:<key>, as a failure prints it", r.traced)
+		}
+		r.ep = n - 1
+		windows = min(windows, simEpisode)
+	}
 	t.Logf("SIM_SEED=%d SIM_WINDOWS=%d", seed, windows)
 	for r.windows < windows && r.failures < 5 {
 		r.episode(min(simEpisode, windows-r.windows))
@@ -251,8 +261,8 @@ func (r *simRun) fail(format string, args ...any) {
 	if r.failures > 5 {
 		return
 	}
-	r.t.Errorf("SIM_SEED=%d, episode %d (spend %s), at %v: %s\nthe episode's schedule:\n\t%s",
-		r.seed, r.ep, r.spend, r.now, fmt.Sprintf(format, args...), strings.Join(r.events, "\n\t"))
+	r.t.Errorf("SIM_SEED=%d, episode %d (spend %s), at %v: %s\nthe episode's schedule:\n\t%s\nSIM_SEED=%d SIM_TRACE=%d:<key> replays the episode alone, tracing the key",
+		r.seed, r.ep, r.spend, r.now, fmt.Sprintf(format, args...), strings.Join(r.events, "\n\t"), r.seed, r.ep)
 }
 
 // logf records one event of the episode's schedule.
@@ -263,6 +273,11 @@ func (r *simRun) logf(format string, args ...any) {
 // episode runs one fleet through windows windows.
 func (r *simRun) episode(windows int) {
 	r.ep++
+	// Its own generator, and a start fixed by its number (an episode
+	// ends within a window of its last): one episode replays alone.
+	r.rng = rand.New(rand.NewPCG(r.seed, uint64(r.ep)))
+	r.now = time.Duration(r.ep) * (simEpisode + 1) * simWindow
+	r.mini.SetTime(r.base.Add(r.now))
 	r.events = nil
 	r.spend = SyncShare
 	if r.rng.IntN(3) == 0 {
@@ -280,9 +295,6 @@ func (r *simRun) episode(windows int) {
 		r.max[name] = []int{10, 20, 50, 100}[r.rng.IntN(4)]
 		r.keys = append(r.keys, &simKey{name: name})
 	}
-	// The episode starts at a window's start in simulated time.
-	r.now = (r.now/simWindow + 1) * simWindow
-	r.mini.SetTime(r.base.Add(r.now))
 	r.logf("episode %d: spend %s, max k0 %d, k1 %d", r.ep, r.spend, r.max["k0"], r.max["k1"])
 	for range 1 + r.rng.IntN(4) {
 		r.join()
