@@ -48,28 +48,18 @@ func (r *simRun) trace(in *simInstance, key, what string) {
 // joinedLate reports whether in is one of docs/redis.md's joiners of kw's
 // key: it sees the key after another instance's second round in the
 // window, or another instance serving the key had not counted it in the
-// fleet when it first saw the key (in's first round came later: the
-// rounds of one step run in the instances' order).
+// fleet when it first saw the key (in started later, or had not reached
+// Redis within the fleet's horizon: it was DEGRADED).
 func (r *simRun) joinedLate(kw *simKeyWindow, in *simInstance) bool {
 	for _, o := range r.insts {
 		if _, ok := kw.first[o.n]; !ok || o == in {
 			continue
 		}
-		if o.okRounds-kw.firstRounds[o.n] >= 2 {
-			return true
-		}
-		if unseen(in, o, kw.view[o.n]) {
+		if o.okRounds-kw.firstRounds[o.n] >= 2 || !kw.counted[o.n][in.n] {
 			return true
 		}
 	}
 	return false
-}
-
-// unseen reports whether by's round at view (the last before it first saw
-// a key) could not count in in the fleet: in's first round came later (the
-// rounds of one step run in the instances' order).
-func unseen(in, by *simInstance, view time.Duration) bool {
-	return in.joined > view || in.joined == view && in.n > by.n
 }
 
 // shareTerm is what an instance that sees n instances spends unannounced of
@@ -88,7 +78,7 @@ func (r *simRun) keyWindow(k *simKey, end int64) *simKeyWindow {
 	kw := r.kws[id]
 	if kw == nil {
 		kw = &simKeyWindow{key: k.name, end: end, max: r.max[k.name], kind: k.kind, balancer: k.balancer,
-			byInst: map[int]int{}, unsent: map[int]int{}, lostBy: map[int]int{}, first: map[int]time.Duration{}, view: map[int]time.Duration{}, fleetAt: map[int]int{}, joiner: map[int]bool{}, firstRounds: map[int]int{}}
+			byInst: map[int]int{}, unsent: map[int]int{}, lostBy: map[int]int{}, first: map[int]time.Duration{}, counted: map[int]map[int]bool{}, fleetAt: map[int]int{}, joiner: map[int]bool{}, firstRounds: map[int]int{}}
 		r.kws[id] = kw
 		r.keyWindows++
 		endSim := time.UnixMilli(end).Sub(r.base)

@@ -72,6 +72,9 @@ type simInstance struct {
 	// reached Redis.
 	lastReq, stint map[string]time.Duration
 	lastOK         time.Duration
+	// counted holds the instances Redis counted in the fleet at its last
+	// round that reached it (by their numbers).
+	counted map[int]bool
 	// idle holds the keys it served whose demand a round of it found
 	// none of since the round before: their lease lapses or goes back,
 	// and its next request spends unannounced again.
@@ -110,11 +113,11 @@ type simKeyWindow struct {
 	// restart emptied Redis (lostBy, by instance).
 	unsent, lostBy map[int]int
 	lost           int
-	// view is, for each instance serving the key, when its last round
-	// before its first request of the window counted the fleet, and
-	// fleetAt how many instances that round counted; joiner marks the
-	// instances counted as joiners on their first sight of the key.
-	view    map[int]time.Duration
+	// counted is, for each instance serving the key, the instances its
+	// last round before its first request of the window counted in the
+	// fleet, and fleetAt how many; joiner marks the instances counted as
+	// joiners on their first sight of the key.
+	counted map[int]map[int]bool
 	fleetAt map[int]int
 	joiner  map[int]bool
 }
@@ -663,6 +666,7 @@ func (r *simRun) roundOf(in *simInstance) {
 			}
 		}
 		in.lastOK = r.now
+		in.counted = r.fleetMembers()
 		in.okRounds++
 		in.reported = min(in.reported+1, 2)
 		for _, kw := range r.kws {
@@ -675,6 +679,23 @@ func (r *simRun) roundOf(in *simInstance) {
 		r.faults = append(r.faults, simFault{at: r.now, until: r.now + simSync})
 		r.logf("instance %d: its round failed on this host", in.n)
 	}
+}
+
+// fleetMembers returns the instances the zone's fleet in Redis counts now
+// (by their numbers): the instances whose last round is within the
+// horizon, as the last round's fleet script left them.
+func (r *simRun) fleetMembers() map[int]bool {
+	ids, err := r.mini.ZMembers(fmt.Sprintf("sim:%d:fleet", r.ep))
+	if err != nil {
+		r.fail("reading the fleet: %v", err)
+	}
+	out := map[int]bool{}
+	for _, in := range r.insts {
+		if slices.Contains(ids, in.s.table.id) {
+			out[in.n] = true
+		}
+	}
+	return out
 }
 
 // request sends one request of k to in, and records its verdict.
@@ -700,12 +721,12 @@ func (r *simRun) request(in *simInstance, k *simKey, checked bool) {
 		if !ok {
 			kw.first[in.n] = r.now
 			kw.firstRounds[in.n] = in.okRounds
-			kw.view[in.n], kw.fleetAt[in.n] = in.lastOK, n
+			kw.counted[in.n], kw.fleetAt[in.n] = in.counted, n
 			// The instances already serving the key that this one
 			// did not count in the fleet: each spent unannounced
 			// beside what this one takes for all it knows.
 			for _, o := range r.insts {
-				if _, serves := kw.first[o.n]; serves && o != in && !kw.joiner[o.n] && unseen(o, in, kw.view[in.n]) {
+				if _, serves := kw.first[o.n]; serves && o != in && !kw.joiner[o.n] && !kw.counted[in.n][o.n] {
 					kw.joiner[o.n] = true
 					kw.terms = append(kw.terms, shareTerm(kw.max, kw.fleetAt[o.n]))
 				}
