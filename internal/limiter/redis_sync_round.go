@@ -428,14 +428,15 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		if y.learning(start.UnixMilli()) {
 			// Redis may not hold the others' counts and leases again
 			// yet, and granted no spare share: the highest count and
-			// leases known stand, and the instance takes its spare
-			// share of what they leave, as a joiner does, once its
-			// first two rounds of the window are over (until then
-			// Redis holds that much for instances it has not counted
-			// yet: redis_sync.lua).
+			// leases known stand, the lease is no more than they leave,
+			// and the instance takes its spare share of what is left
+			// after it, as a joiner does, once its first two rounds of
+			// the window are over (until then Redis holds that much for
+			// instances it has not counted yet: redis_sync.lua).
 			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
+			e.lease = min(lease, max(e.max-max(it.weighs, 0)-e.fleet-e.held, 0))
 			if it.want > 0 && !it.waiting {
-				e.spare = y.spareOf(e.free(max(it.weighs, 0)) - lease)
+				e.spare = y.spareOf(e.free(max(it.weighs, 0)) - e.lease)
 			}
 		}
 		e.leaseUntil = start.UnixNano()
