@@ -172,10 +172,13 @@ type simRun struct {
 	now   time.Duration
 	ep    int
 	spend string
-	max   map[string]int
-	insts []*simInstance
-	keys  []*simKey
-	kws   map[string]*simKeyWindow // by key and window end
+	// contended: most windows hammer the keys, and instances join and
+	// leave twice as often.
+	contended bool
+	max       map[string]int
+	insts     []*simInstance
+	keys      []*simKey
+	kws       map[string]*simKeyWindow // by key and window end
 	// checks are the key-windows' checks, by the time they fall due.
 	checks []simCheck
 	faults []simFault
@@ -286,6 +289,9 @@ func (r *simRun) episode(windows int) {
 	if r.rng.IntN(3) == 0 {
 		r.spend = SyncAll
 	}
+	// A contended episode hammers its keys in most windows, and its
+	// fleet changes more often: joiners and reservations under load.
+	r.contended = r.rng.IntN(3) == 0
 	r.insts = nil
 	r.kws = make(map[string]*simKeyWindow)
 	r.checks, r.faults = nil, nil
@@ -298,7 +304,7 @@ func (r *simRun) episode(windows int) {
 		r.max[name] = []int{10, 20, 50, 100}[r.rng.IntN(4)]
 		r.keys = append(r.keys, &simKey{name: name})
 	}
-	r.logf("episode %d: spend %s, max k0 %d, k1 %d", r.ep, r.spend, r.max["k0"], r.max["k1"])
+	r.logf("episode %d: spend %s, max k0 %d, k1 %d, contended %v", r.ep, r.spend, r.max["k0"], r.max["k1"], r.contended)
 	for range 1 + r.rng.IntN(4) {
 		r.join()
 	}
@@ -362,10 +368,14 @@ func (r *simRun) window() {
 		do func()
 	}
 	var evs []event
-	if len(r.live()) < simMaxInstances && r.rng.IntN(4) == 0 {
+	odds := 1
+	if r.contended {
+		odds = 2
+	}
+	if len(r.live()) < simMaxInstances && r.rng.IntN(4) < odds {
 		evs = append(evs, event{start + r.randIn(simWindow), r.join})
 	}
-	if r.rng.IntN(5) == 0 {
+	if r.rng.IntN(5) < odds {
 		evs = append(evs, event{start + r.randIn(simWindow), r.leave})
 	}
 	if r.rng.IntN(8) == 0 {
@@ -478,6 +488,9 @@ func (k *simKey) plan(r *simRun, start time.Duration) {
 	max := r.max[k.name]
 	k.arrivals = k.arrivals[:0]
 	k.kind = []string{"idle", "light", "light", "bursty", "surge", "hammer"}[r.rng.IntN(6)]
+	if r.contended && r.rng.IntN(3) != 0 {
+		k.kind = "hammer"
+	}
 	k.balancer = []string{"sticky", "round robin", "moving", "spreading", "random"}[r.rng.IntN(5)]
 	k.moveAt, k.killAt, k.movedAt = start+r.randIn(simWindow), 0, start
 	if r.rng.IntN(2) == 0 {
