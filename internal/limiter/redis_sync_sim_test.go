@@ -251,6 +251,9 @@ func TestFleetSimulation(t *testing.T) {
 	t.Logf("SIM_SEED=%d SIM_WINDOWS=%d", seed, windows)
 	for r.windows < windows && r.failures < 5 {
 		r.episode(min(simEpisode, windows-r.windows))
+		if r.windows%10000 == 0 {
+			t.Logf("%d of %d windows, %d failures", r.windows, windows, r.failures) // a long run's progress (-v)
+		}
 	}
 	line := fmt.Sprintf("simulated %d windows, %d key-windows, %d joins, %d faults: max overshoot %.2f× max (bound %.2f×), wrongful refusals %d (and %d of bursty keys under quota); Redis checked against the fleet in %d key-windows (%d skipped: a fault or a stopped instance)",
 		r.windows, r.keyWindows, r.joins, r.nFaults, float64(r.worstAdmit)/float64(max(r.worstMax, 1)), float64(r.worstBound)/float64(max(r.worstMax, 1)), r.wrongful, r.burstRefused, r.checkedEqual, r.uncheckedEqual)
