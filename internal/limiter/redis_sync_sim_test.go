@@ -753,6 +753,13 @@ func (r *simRun) request(in *simInstance, k *simKey, checked bool) {
 			kw.terms = append(kw.terms, shareTerm(kw.max, n))
 		}
 	}
+	if in.s.state.Load() == stateDegraded && !kw.joiner[in.n] {
+		// A DEGRADED instance does not sync: past its lease it spends a
+		// spare share of what it last knew free, unannounced, as a
+		// joiner does, until its probe finds Redis again.
+		kw.joiner[in.n] = true
+		kw.terms = append(kw.terms, shareTerm(kw.max, int(in.s.table.fleet.Load())))
+	}
 	kw.rate = max(kw.rate, k.rate)
 	r.trace(in, k.name, fmt.Sprintf("%s allowed=%v", kw.key, v.Allowed))
 	if v.Allowed {
