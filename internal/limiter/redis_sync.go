@@ -182,13 +182,9 @@ type syncTable struct {
 	// Redis lost it); until learnUntil (Unix ns) after a change, rounds
 	// lease no more than the instance's pace and grant no spare share,
 	// while every instance reports again what it holds.
-	epochMu    sync.Mutex
-	epoch      string
-	learnUntil atomic.Int64
-	// learnFleet is the fleet's size when learning began: what the
-	// instance leases of a key while learning is at most a quarter of
-	// max divided among it.
-	learnFleet  atomic.Int64
+	epochMu     sync.Mutex
+	epoch       string
+	learnUntil  atomic.Int64
 	tripTimeout time.Duration // bounds each round trip (sync_timeout)
 	bansMu      sync.Mutex
 	bans        []Check // violations to record in Redis (Store.Ban)

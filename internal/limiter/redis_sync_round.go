@@ -206,9 +206,9 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 		n, _ := r[0].(int64)
 		rank, _ := r[1].(int64)
 		epoch, _ := r[2].(string)
-		known := y.fleet.Swap(max(n, 1))
+		y.fleet.Store(max(n, 1))
 		y.rank.Store(rank)
-		y.sawEpoch(epoch, start, max(known, n))
+		y.sawEpoch(epoch, start)
 	}
 	for i, cmd := range banCmds {
 		if b, err := cmd.Int64(); err == nil {
@@ -414,7 +414,6 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 	}
 	switch e.end {
 	case it.end:
-		lastLease, lastFrom, lastRead := e.lease, e.budgetFrom, e.readAt
 		e.sent, e.fleet = it.mine, total
 		e.rounds++
 		e.readAt = start.UnixMilli()
@@ -434,24 +433,22 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 			// Redis may not hold the others' counts and leases again
 			// yet (and the round that found the restart was granted as
 			// if it held them): the highest count and leases known
-			// stand, no spare share is taken, and the lease is no more
-			// than the instance's pace and what the known figures
-			// leave. Over the whole of learning, the instance leases
-			// the key at most a quarter of max divided among the fleet
-			// (a later round of it only renews what is left of the
-			// first's lease): the fleet admits at most max/4 past what
-			// it held when Redis lost it. Known figures older than a
-			// lease's length may be far behind (a key the instance
-			// stopped serving, or first serves now): it leases nothing
-			// until a round has read the key again.
+			// stand, and the lease is no more than the instance's pace
+			// and what they leave. Known figures older than a lease's
+			// length may be far behind (a key the instance stopped
+			// serving, or first serves now): it leases nothing until a
+			// round has read the key again. It takes its spare share
+			// of what is left, as a joiner does, once its first two
+			// rounds of the window are over (until then Redis holds
+			// that much for instances it has not counted yet:
+			// redis_sync.lua).
 			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
-			most := e.max / (4 * y.learnFleet.Load())
-			if learnStart := y.learnUntil.Load()/int64(time.Millisecond) - y.leaseFor().Milliseconds(); lastRead >= learnStart {
-				most = max(lastLease-(it.mine-lastFrom), 0)
-			}
 			e.lease, e.spare = 0, 0
 			if it.fresh {
-				e.lease = min(lease, it.pace, most, max(e.max-max(it.weighs, 0)-e.fleet-e.held, 0))
+				e.lease = min(lease, it.pace, max(e.max-max(it.weighs, 0)-e.fleet-e.held, 0))
+				if it.want > 0 && !it.waiting {
+					e.spare = y.spareOf(e.free(max(it.weighs, 0)) - e.lease)
+				}
 			}
 		}
 		e.leaseUntil = start.UnixNano()
@@ -510,18 +507,17 @@ func (y *syncTable) leaseFor() time.Duration {
 // what the fleet holds after Redis lost its state.
 func (y *syncTable) learning(ms int64) bool { return ms*int64(time.Millisecond) < y.learnUntil.Load() }
 
-// sawEpoch takes the zone's epoch from a roll call at start, with fleet
-// the larger of the fleet's size before it and now: when the epoch
+// sawEpoch takes the zone's epoch from a roll call at start: when it
 // changed, Redis lost what it held of the zone, so the next round sends
-// every running window's count again, and for a lease's length (learning)
-// the instance leases little and grants itself no spare share while the
-// other instances report again what they hold (see apply).
-func (y *syncTable) sawEpoch(epoch string, start time.Time, fleet int64) {
+// every running window's count again, and for a lease's length no round
+// leases more than the instance's pace (twice what it spent since its
+// last round) or grants a spare share, while the other instances report
+// again what they hold.
+func (y *syncTable) sawEpoch(epoch string, start time.Time) {
 	y.epochMu.Lock()
 	defer y.epochMu.Unlock()
 	if y.epoch != "" && epoch != y.epoch {
 		y.resend.Store(true)
-		y.learnFleet.Store(max(fleet, 1))
 		y.learnUntil.Store(start.Add(y.leaseFor()).UnixNano())
 	}
 	y.epoch = epoch
