@@ -79,10 +79,8 @@ type syncItem struct {
 	// weighs now, in whole units (-1 for a fixed window).
 	max, want, pace, weighs int64
 	// known is true when a round wrote this instance's count of the
-	// window before; waiting for the instance's first two rounds of it;
-	// fresh when a round read the window within a lease's length (what
-	// the instance knows of the fleet's count and leases is that recent).
-	known, waiting, fresh bool
+	// window before; waiting for the instance's first two rounds of it.
+	known, waiting bool
 	// knownFleet and held are the fleet's count of the window and the
 	// others' leases as the instance knew them when the round started.
 	knownFleet, held int64
@@ -350,7 +348,6 @@ func (y *syncTable) collect(s *SyncStore, ms int64) []syncItem {
 				end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
 				refused: e.refused, bans: e.bans,
 				max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
-				fresh:      e.readAt > 0 && ms-e.readAt <= y.leaseFor().Milliseconds(),
 				knownFleet: e.fleet + e.mine - e.sent, held: e.held,
 			}
 			if y.spend == SyncShare && e.end > ms {
@@ -416,7 +413,6 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 	case it.end:
 		e.sent, e.fleet = it.mine, total
 		e.rounds++
-		e.readAt = start.UnixMilli()
 		if it.prev >= 0 {
 			e.prevSent = it.prev
 		}
@@ -431,24 +427,16 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		e.lease, e.spare, e.held, e.budgetFrom = lease, spare, held, it.mine
 		if y.learning(start.UnixMilli()) {
 			// Redis may not hold the others' counts and leases again
-			// yet (and the round that found the restart was granted as
-			// if it held them): the highest count and leases known
-			// stand, and the lease is no more than the instance's pace
-			// and what they leave. Known figures older than a lease's
-			// length may be far behind (a key the instance stopped
-			// serving, or first serves now): it leases nothing until a
-			// round has read the key again. It takes its spare share
-			// of what is left, as a joiner does, once its first two
-			// rounds of the window are over (until then Redis holds
-			// that much for instances it has not counted yet:
-			// redis_sync.lua).
+			// yet, and granted no spare share: the highest count and
+			// leases known stand, the lease is no more than they leave,
+			// and the instance takes its spare share of what is left
+			// after it, as a joiner does, once its first two rounds of
+			// the window are over (until then Redis holds that much for
+			// instances it has not counted yet: redis_sync.lua).
 			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
-			e.lease, e.spare = 0, 0
-			if it.fresh {
-				e.lease = min(lease, it.pace, max(e.max-max(it.weighs, 0)-e.fleet-e.held, 0))
-				if it.want > 0 && !it.waiting {
-					e.spare = y.spareOf(e.free(max(it.weighs, 0)) - e.lease)
-				}
+			e.lease = min(lease, max(e.max-max(it.weighs, 0)-e.fleet-e.held, 0))
+			if it.want > 0 && !it.waiting {
+				e.spare = y.spareOf(e.free(max(it.weighs, 0)) - e.lease)
 			}
 		}
 		e.leaseUntil = start.UnixNano()
