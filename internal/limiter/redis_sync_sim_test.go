@@ -211,7 +211,9 @@ type simCheck struct {
 // instance keeps a key longer than its windows need. SIM_SEED replays a
 // run; SIM_WINDOWS sets its length.
 func TestFleetSimulation(t *testing.T) {
-	seed := uint64(time.Now().UnixNano())
+	// Without SIM_SEED, one seed: the default run (CI's) is the same
+	// every time, and a new seed is a long run's to try.
+	seed := uint64(1)
 	if v := os.Getenv("SIM_SEED"); v != "" {
 		n, err := strconv.ParseUint(v, 10, 64)
 		if err != nil {
