@@ -259,13 +259,14 @@ type syncEntry struct {
 	held int64
 	// leased is true while the entry is in its shard's leased list.
 	leased bool
-	// rounds is how many rounds have read the window.
-	rounds      int64
-	refused     int64 // refusals not yet added to the tally
-	refusedAny  bool  // a refusal in the window (FirstRefusal)
-	bans        bool  // the limit bans: a round reads the ban
-	banUntil    int64 // Unix ns
-	dirty, gone bool
+	// rounds is how many rounds have read the window, and readAt when
+	// the last of them started (Unix ms; 0 before the first).
+	rounds, readAt int64
+	refused        int64 // refusals not yet added to the tally
+	refusedAny     bool  // a refusal in the window (FirstRefusal)
+	bans           bool  // the limit bans: a round reads the ban
+	banUntil       int64 // Unix ns
+	dirty, gone    bool
 }
 
 // DefaultSyncTimeout returns the bound on each of a sync round's round
@@ -393,7 +394,7 @@ func (y *syncTable) prior(e *syncEntry, l *Limit, ms int64) {
 	if l.Sliding() {
 		left -= int64(math.Ceil(e.weighs(ms)))
 	}
-	e.lease, e.leaseUntil, e.budgetFrom, e.asked, e.rounds = 0, 0, 0, 0, 0
+	e.lease, e.leaseUntil, e.budgetFrom, e.asked, e.rounds, e.readAt = 0, 0, 0, 0, 0, 0
 	e.spare = y.spareOf(left)
 }
 
