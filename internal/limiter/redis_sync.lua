@@ -33,7 +33,8 @@
 --   ARGV[1] now in Unix milliseconds (the instance's clock); ARGV[2] the
 --   instance's id; ARGV[3] the lease's end (Unix ms); ARGV[4] 1 for spend
 --   share; ARGV[5] the instances that synced recently; ARGV[6] this one's
---   rank among them by id, from 0; ARGV[7] 1 while learning (no spare).
+--   rank among them by id, from 0; ARGV[7] 1 while learning (the lease no more
+--   than the pace).
 -- For key i, KEYS[i] is its count key; its other keys end in another
 -- letter instead of c, under the same hash tag, so in the same Cluster
 -- slot: p the previous count, h and q the instances' counts of the window
@@ -177,7 +178,10 @@ for i = 1, #KEYS do
 				want = math.min(want, pace)
 			end
 			lease = math.max(math.min(want, free), 0)
-			if want > 0 and not learns then
+			-- While learning, the spare share is held here for the
+			-- others to see, and the instance takes no more of it than
+			-- the figures it knows leave (redis_sync_round.go).
+			if want > 0 and (learning or not learns) then
 				extra = spare(free - lease)
 			end
 		end

@@ -429,26 +429,28 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		e.lease, e.spare, e.held, e.budgetFrom = lease, spare, held, it.mine
 		if y.learning(start.UnixMilli()) {
 			// Redis may not hold the others' counts and leases again
-			// yet, and granted no spare share: the highest count and
-			// leases known stand. At the instance's first round of the
+			// yet: the highest count and leases known stand. At the instance's first round of the
 			// key in learning (the others have not reported again, and
 			// the round that found the restart was granted as if Redis
 			// held them) it keeps what its last lease and spare share
 			// left, as Doorman's clients keep what they hold, and is
 			// granted nothing new. After that, the lease is no more
 			// than what the known figures leave, and the instance
-			// takes its spare share of what is left after it, as a
-			// joiner does, once its first two rounds of the window are
-			// over (until then Redis holds that much for instances it
-			// has not counted yet: redis_sync.lua).
+			// takes no more of the spare share Redis holds for it
+			// than is left after that, as a joiner does, once its
+			// first two rounds of the window are over (until then
+			// Redis holds that much for instances it has not counted
+			// yet: redis_sync.lua). A spare share Redis does not hold
+			// would be leased to the others again.
 			e.fleet, e.held = max(total, it.knownFleet), max(held, it.held)
 			learnStart := y.learnUntil.Load()/int64(time.Millisecond) - y.leaseFor().Milliseconds()
 			if lastRead < learnStart {
 				e.lease, e.spare = max(lastBudget-(it.mine-lastFrom), 0), 0
 			} else {
 				e.lease = min(lease, max(e.max-max(it.weighs, 0)-e.fleet-e.held, 0))
-				if it.want > 0 && !it.waiting {
-					e.spare = y.spareOf(e.free(max(it.weighs, 0)) - e.lease)
+				e.spare = 0
+				if !it.waiting {
+					e.spare = min(spare, y.spareOf(e.free(max(it.weighs, 0))-e.lease))
 				}
 			}
 		}
