@@ -141,9 +141,7 @@ func (r *simRun) check(kw *simKeyWindow) {
 				kw.key, kw.admitted, kw.max, kw.end, kw.kind, kw.balancer, len(kw.terms), kw.lost, bound)
 		}
 		over := float64(kw.admitted) / float64(kw.max)
-		if over > r.worst || over == r.worst && bound < r.worstBound*kw.max/max(r.worstMax, 1) {
-			r.worst, r.worstAdmit, r.worstBound, r.worstMax = over, kw.admitted, bound, kw.max
-		}
+		r.worseOf(over, kw.admitted, bound, kw.max)
 	}
 	r.checkRedis(kw, outage, endSim)
 }

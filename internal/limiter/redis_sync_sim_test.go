@@ -6,9 +6,12 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -192,8 +195,8 @@ type simRun struct {
 	worst                               float64 // highest admitted/max
 	worstAdmit, worstBound, worstMax    int
 	wrongful, burstRefused              int
-	failures                            int
 	checkedEqual, uncheckedEqual        int
+	failures                            *atomic.Int64 // the run's, over its workers
 }
 
 // simCheck is the check of a key-window due at at (simulated time).
@@ -229,47 +232,85 @@ func TestFleetSimulation(t *testing.T) {
 		}
 		windows = n
 	}
-	mini := miniredis.NewMiniRedis()
-	if err := mini.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer mini.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	start := time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
-	r := &simRun{t: t, seed: seed, mini: mini, base: start, ctx: ctx, traced: os.Getenv("SIM_TRACE")}
-	mini.SetTime(start)
-	mini.ClockTTL(true)
-	if r.traced != "" {
+	traced := os.Getenv("SIM_TRACE")
+	first, last := 1, (windows+simEpisode-1)/simEpisode // episodes
+	if traced != "" {
 		// The traced episode alone: each draws from its own generator.
-		ep, _, ok := strings.Cut(r.traced, ":")
+		ep, _, ok := strings.Cut(traced, ":")
 		n, err := strconv.Atoi(ep)
 		if !ok || err != nil || n < 1 {
-			t.Fatalf("SIM_TRACE %q: want <episode>:<key>, as a failure prints it", r.traced)
+			t.Fatalf("SIM_TRACE %q: want <episode>:<key>, as a failure prints it", traced)
 		}
-		r.ep = n - 1
-		windows = min(windows, simEpisode)
+		first, last, windows = n, n, min(windows, simEpisode)
 	}
 	t.Logf("SIM_SEED=%d SIM_WINDOWS=%d", seed, windows)
-	for r.windows < windows && r.failures < 5 {
-		r.episode(min(simEpisode, windows-r.windows))
-		if r.windows%10000 == 0 {
-			t.Logf("%d of %d windows, %d failures", r.windows, windows, r.failures) // a long run's progress (-v)
+	// The episodes are dealt to a worker per core, each with a Redis of
+	// its own: an episode replays alone, so the run's outcome is the same
+	// on any number of cores.
+	var failures, done atomic.Int64
+	runs := make([]*simRun, min(runtime.GOMAXPROCS(0), last-first+1))
+	var wg sync.WaitGroup
+	for w := range runs {
+		mini := miniredis.NewMiniRedis()
+		if err := mini.Start(); err != nil {
+			t.Fatal(err)
 		}
+		defer mini.Close()
+		mini.ClockTTL(true)
+		r := &simRun{t: t, seed: seed, mini: mini, base: start, ctx: ctx, traced: traced, failures: &failures}
+		runs[w] = r
+		wg.Go(func() {
+			for ep := first + w; ep <= last && failures.Load() < 5; ep += len(runs) {
+				n := min(simEpisode, windows-(ep-first)*simEpisode)
+				r.episode(ep, n)
+				if d := done.Add(int64(n)); d/10000 != (d-int64(n))/10000 {
+					t.Logf("%d of %d windows, %d failures", d, windows, failures.Load()) // a long run's progress (-v)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	r := runs[0]
+	for _, o := range runs[1:] {
+		r.add(o)
 	}
 	line := fmt.Sprintf("simulated %d windows, %d key-windows, %d joins, %d faults: max overshoot %.2f× max (bound %.2f×), wrongful refusals %d (and %d of bursty keys under quota); Redis checked against the fleet in %d key-windows (%d skipped: a fault or a stopped instance)",
 		r.windows, r.keyWindows, r.joins, r.nFaults, float64(r.worstAdmit)/float64(max(r.worstMax, 1)), float64(r.worstBound)/float64(max(r.worstMax, 1)), r.wrongful, r.burstRefused, r.checkedEqual, r.uncheckedEqual)
-	if r.failures > 0 {
+	if failures.Load() > 0 {
 		line += fmt.Sprintf(" (SIM_SEED=%d replays it)", seed)
 	}
 	fmt.Fprintln(os.Stderr, line)
 }
 
+// add adds o's totals to r's.
+func (r *simRun) add(o *simRun) {
+	r.windows += o.windows
+	r.keyWindows += o.keyWindows
+	r.joins += o.joins
+	r.nFaults += o.nFaults
+	r.wrongful += o.wrongful
+	r.burstRefused += o.burstRefused
+	r.checkedEqual += o.checkedEqual
+	r.uncheckedEqual += o.uncheckedEqual
+	r.worseOf(o.worst, o.worstAdmit, o.worstBound, o.worstMax)
+}
+
+// worseOf keeps an overshoot of admitted of max (bound the bound then) as
+// the run's worst if it is higher than the worst so far, or as high with
+// a tighter bound.
+func (r *simRun) worseOf(over float64, admitted, bound, max_ int) {
+	if over > r.worst || over == r.worst && bound < r.worstBound*max_/max(r.worstMax, 1) {
+		r.worst, r.worstAdmit, r.worstBound, r.worstMax = over, admitted, bound, max_
+	}
+}
+
 // fail reports one broken invariant with what replays it.
 func (r *simRun) fail(format string, args ...any) {
 	r.t.Helper()
-	r.failures++
-	if r.failures > 5 {
+	if r.failures.Add(1) > 5 {
 		return
 	}
 	r.t.Errorf("SIM_SEED=%d, episode %d (spend %s), at %v: %s\nthe episode's schedule:\n\t%s\nSIM_SEED=%d SIM_TRACE=%d:<key> replays the episode alone, tracing the key",
@@ -281,9 +322,9 @@ func (r *simRun) logf(format string, args ...any) {
 	r.events = append(r.events, fmt.Sprintf("%v ", r.now)+fmt.Sprintf(format, args...))
 }
 
-// episode runs one fleet through windows windows.
-func (r *simRun) episode(windows int) {
-	r.ep++
+// episode runs fleet number ep through windows windows.
+func (r *simRun) episode(ep, windows int) {
+	r.ep = ep
 	// Its own generator, and a start fixed by its number (an episode
 	// ends within a window of its last): one episode replays alone.
 	r.rng = rand.New(rand.NewPCG(r.seed, uint64(r.ep)))
