@@ -1,0 +1,85 @@
+package limiter
+
+import (
+	"context"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
+)
+
+// BenchmarkSyncRedisCost measures what sync mode costs per key synced:
+// one instance, 100,000 keys each hit once per round, as per-IP limits
+// are. Each iteration is one round; redis-µs/key is the change of
+// redis-server's CPU time (INFO cpu) divided by the keys the rounds sent,
+// and heap-bytes/key the live heap the store holds per key after them.
+func BenchmarkSyncRedisCost(b *testing.B) {
+	srv := redistest.StartReal(b, "Redis's CPU time is a real redis-server's")
+	const keys = 100_000
+	ids := make([]string, keys)
+	for i := range ids {
+		ids[i] = "10." + strconv.Itoa(i>>16) + "." + strconv.Itoa(i>>8&255) + "." + strconv.Itoa(i&255)
+	}
+	for _, spend := range []string{SyncShare, SyncAll} {
+		b.Run(spend, func(b *testing.B) {
+			var before, after runtime.MemStats
+			runtime.GC()
+			runtime.ReadMemStats(&before)
+			s, client := newTestSyncStore(b, []string{srv.Addr}, RedisStoreOptions{
+				Sync: MaxSyncInterval, SyncSpend: spend, Clock: alignedClock(time.Minute),
+				Prefix: "cost-" + spend + ":",
+			})
+			s.markUsed()
+			<-s.table.ready
+			lim := Limit{Window: time.Minute, Max: 1000}
+			ctx := context.Background()
+			hitAll := func() {
+				now := s.clock.Now()
+				for _, id := range ids {
+					if _, err := s.Hit(ctx, id, now, lim); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			// The keys' windows start: the benchmark measures running ones.
+			hitAll()
+			s.syncRound(ctx, s.clock.Now())
+			var cpu time.Duration
+			var sent float64
+			for b.Loop() {
+				hitAll()
+				cpu0 := redisCPU(b, client)
+				s.syncRound(ctx, s.clock.Now())
+				cpu += redisCPU(b, client) - cpu0
+				sent += keys
+			}
+			b.ReportMetric(float64(cpu.Microseconds())/sent, "redis-µs/key")
+			runtime.GC()
+			runtime.ReadMemStats(&after)
+			b.ReportMetric((float64(after.HeapAlloc)-float64(before.HeapAlloc))/keys, "heap-bytes/key")
+			runtime.KeepAlive(s)
+		})
+	}
+}
+
+// redisCPU returns the CPU time redis-server has used (INFO cpu).
+func redisCPU(b *testing.B, client redis.UniversalClient) time.Duration {
+	info, err := client.Info(context.Background(), "cpu").Result()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var sum float64
+	for _, line := range strings.Split(info, "\n") {
+		k, v, _ := strings.Cut(strings.TrimSpace(line), ":")
+		if k == "used_cpu_sys" || k == "used_cpu_user" {
+			f, _ := strconv.ParseFloat(v, 64)
+			sum += f
+		}
+	}
+	return time.Duration(sum * float64(time.Second))
+}
