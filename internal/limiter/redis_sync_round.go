@@ -127,23 +127,26 @@ func (s *SyncStore) syncTick(ctx context.Context, start time.Time) {
 }
 
 // syncRound sends the counts of every key touched since the last round and
-// takes the fleet's back, in round trips of at most syncTrip keys. What a
-// round trip fails to send (a batch, a ban) is left to the next round
-// (the counts are absolute: sending them twice counts nothing twice), and
-// the failure counts against the store's health.
+// takes the fleet's back, in round trips of at most syncTrip keys, each
+// collected just before it is sent, so a round holds one trip's items at a
+// time however many keys it sends. What a round trip fails to send (a
+// batch, a ban) is left to the next round (the counts are absolute:
+// sending them twice counts nothing twice), and the failure counts against
+// the store's health.
 func (s *SyncStore) syncRound(ctx context.Context, start time.Time) {
 	y := s.table
 	y.trim()
-	items := y.collect(s, start.UnixMilli())
+	cur := syncCursor{ms: start.UnixMilli(), all: y.resend.Swap(false)}
 	bans := y.takeBans()
-	first := true
-	for len(items) > 0 || first {
-		trip := items[:min(len(items), syncTrip)]
-		items = items[len(trip):]
+	buf := make([]syncItem, 0, syncTrip)
+	for first := true; first || !cur.done(); first = false {
+		trip := y.collect(s, &cur, buf)
 		unsent, unbanned, err := s.syncTrip(ctx, trip, bans, start, false)
 		if err != nil {
 			y.requeue(unsent)
-			y.requeue(items)
+			if cur.all {
+				y.resend.Store(true) // the shards not collected yet resend at the next round
+			}
 			y.bansMu.Lock()
 			y.bans = append(unbanned, y.bans...)
 			y.bansMu.Unlock()
@@ -156,7 +159,7 @@ func (s *SyncStore) syncRound(ctx context.Context, start time.Time) {
 		if first {
 			y.lastOK.Store(start.UnixNano())
 		}
-		first, bans = false, nil
+		bans = nil
 		s.succeeded()
 	}
 }
@@ -300,77 +303,116 @@ func (y *syncTable) batches(s *SyncStore, items []syncItem) [][]syncItem {
 	return out
 }
 
-// collect takes the keys touched since the last round (every key of a
-// running window after Redis came back) and what each sends: its counts,
-// and with SyncShare the lease it asks for, twice what it spent and was
-// refused for want of a share since the last round (while learning, twice
-// what it spent: its pace).
-func (y *syncTable) collect(s *SyncStore, ms int64) []syncItem {
-	all := y.resend.Swap(false)
-	var items []syncItem
-	for i := range y.shards {
-		sh := &y.shards[i]
+// syncCursor is where a round has got to in the table: the shard it
+// collects from next, and how many of that shard's keys are still the
+// round's.
+type syncCursor struct {
+	ms    int64 // the round's start, in Unix ms
+	all   bool  // every running window's count is sent (Redis came back)
+	shard int
+	// open is true once the shard's leases and (all) its running windows
+	// are taken; left is how many of its touched keys the round still
+	// sends then: those touched since go to the next round, so that no
+	// key is sent twice in one round (a round counts towards a window's
+	// first two, see syncItem.waiting).
+	open bool
+	left int
+}
+
+// done reports whether the round has collected every shard.
+func (c *syncCursor) done() bool { return c.shard == syncShards }
+
+// collect takes, into buf, up to cap(buf) of the keys touched since the
+// last round (every key of a running window after Redis came back) from
+// where cur is, and what each sends: its counts, and with SyncShare the
+// lease it asks for, twice what it spent and was refused for want of a
+// share since the last round (while learning, twice what it spent: its
+// pace).
+func (y *syncTable) collect(s *SyncStore, cur *syncCursor, buf []syncItem) []syncItem {
+	ms, items := cur.ms, buf[:0]
+	for ; !cur.done() && len(items) < cap(items); cur.shard++ {
+		sh := &y.shards[cur.shard]
 		sh.mu.Lock()
-		if all {
-			// Every count Redis may read again: the running window's,
-			// the one before it, and the one that just ended (its entry
-			// rolls at its next request).
-			for _, e := range sh.m {
-				if e.end+e.next(e.end) > ms || e.prevMine != e.prevSent {
-					sh.touch(e)
-				}
-			}
+		if !cur.open {
+			y.open(sh, ms, cur.all)
+			cur.open, cur.left = true, len(sh.dirty)
 		}
-		// A lease is renewed while the instance spends, and given back
-		// (it asks for nothing) at the first round after it stopped,
-		// when the fleet may need it: once half of max is counted or
-		// leased (its own spare share, half of what is free at most,
-		// aside). Below that, every instance's spare share covers its
-		// own demand, and the lease lapses by itself.
-		for _, e := range sh.leased {
-			e.leased = false
-			if !e.gone && e.end > ms && 2*(e.fleet+e.held+e.lease) >= e.max {
-				sh.touch(e)
-			}
-		}
-		clear(sh.leased)
-		sh.leased = sh.leased[:0]
-		for _, e := range sh.dirty {
+		n := min(cur.left, cap(items)-len(items))
+		for _, e := range sh.dirty[:n] {
 			e.dirty = false
 			if e.gone {
 				continue
 			}
-			if e.tag == "" {
-				e.tag = s.tag(e.key)
-			}
-			it := syncItem{
-				e: e, shard: i, key: s.keyOf(e.name, e.tag, "c"),
-				end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
-				refused: e.refused, bans: e.bans,
-				max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
-				knownFleet: e.fleet + e.mine - e.sent, held: e.held,
-			}
-			if y.spend == SyncShare && e.end > ms {
-				spent := max(e.mine-e.budgetFrom, 0)
-				it.want = 2 * (spent + e.asked)
-				it.pace = 2 * max(spent, min(e.asked, 1))
-			}
-			e.asked = 0
-			it.weighs = -1 // a fixed window: the previous count is not read
-			if e.sliding {
-				it.weighs = int64(math.Ceil(e.weighs(ms)))
-			}
-			if e.prevMine != e.prevSent || all && e.prevMine > 0 {
-				it.prev = e.prevMine
-			}
-			e.refused = 0
-			items = append(items, it)
+			items = append(items, y.itemOf(s, e, cur.shard, ms, cur.all))
 		}
-		clear(sh.dirty)
-		sh.dirty = sh.dirty[:0]
+		rest := copy(sh.dirty, sh.dirty[n:])
+		clear(sh.dirty[rest:])
+		sh.dirty = sh.dirty[:rest]
 		sh.mu.Unlock()
+		if cur.left -= n; cur.left > 0 {
+			return items // the rest of this shard goes in the next trip
+		}
+		cur.open = false
 	}
 	return items
+}
+
+// open readies shard sh for a round at ms: every running window's key is
+// touched when all, and a lease is renewed while the instance spends, and
+// given back (it asks for nothing) at the first round after it stopped,
+// when the fleet may need it: once half of max is counted or leased (its
+// own spare share, half of what is free at most, aside). Below that, every
+// instance's spare share covers its own demand, and the lease lapses by
+// itself. The shard is locked.
+func (y *syncTable) open(sh *syncShard, ms int64, all bool) {
+	if all {
+		// Every count Redis may read again: the running window's, the
+		// one before it, and the one that just ended (its entry rolls at
+		// its next request).
+		for _, e := range sh.m {
+			if e.end+e.next(e.end) > ms || e.prevMine != e.prevSent {
+				sh.touch(e)
+			}
+		}
+	}
+	for _, e := range sh.leased {
+		e.leased = false
+		if !e.gone && e.end > ms && 2*(e.fleet+e.held+e.lease) >= e.max {
+			sh.touch(e)
+		}
+	}
+	clear(sh.leased)
+	sh.leased = sh.leased[:0]
+}
+
+// itemOf returns what entry e of shard i sends in a round at ms. The
+// shard is locked.
+func (y *syncTable) itemOf(s *SyncStore, e *syncEntry, i int, ms int64, all bool) syncItem {
+	if e.tag == "" {
+		e.tag = s.tag(e.key)
+	}
+	it := syncItem{
+		e: e, shard: i, key: s.keyOf(e.name, e.tag, "c"),
+		end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
+		refused: e.refused, bans: e.bans,
+		max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
+		knownFleet: e.fleet + e.mine - e.sent, held: e.held,
+	}
+	if y.spend == SyncShare && e.end > ms {
+		spent := max(e.mine-e.budgetFrom, 0)
+		it.want = 2 * (spent + e.asked)
+		it.pace = 2 * max(spent, min(e.asked, 1))
+	}
+	e.asked = 0
+	it.weighs = -1 // a fixed window: the previous count is not read
+	if e.sliding {
+		it.weighs = int64(math.Ceil(e.weighs(ms)))
+	}
+	if e.prevMine != e.prevSent || all && e.prevMine > 0 {
+		it.prev = e.prevMine
+	}
+	e.refused = 0
+	return it
 }
 
 // requeue gives the items of a failed round trip back to the next round.
