@@ -38,8 +38,9 @@
 -- For key i, KEYS[i] is its count key; its other keys end in another
 -- letter instead of c, under the same hash tag, so in the same Cluster
 -- slot: p the previous count, h and q the instances' counts of the window
--- and of the one before (hashes), r the refused tally, b the ban. ARGV[i+4]
--- holds its 12 numbers, separated by spaces: the end of the instance's
+-- and of the one before (hashes), r the refused tally, b the ban. ARGV[8]
+-- holds every key's 12 numbers, in the order of KEYS, all separated by
+-- spaces (one argument for the batch, not one per key): the end of the instance's
 -- window (Unix ms), the length of the window after it (ms: a calendar's
 -- windows vary), the instance's count of it, its count
 -- of the previous window (-1: not sent), refusals to add to the tally, 1 to
@@ -118,13 +119,17 @@ local function put(ck, hk, count, field, exp)
 	redis.call('SET', ck, count, 'PXAT', exp)
 end
 
-local out = {}
+local out, nums, pos = {}, ARGV[8], 1
 for i = 1, #KEYS do
 	local c = KEYS[i]
 	local base = string.sub(c, 1, -2)
 	local p, h, q = base .. 'p', base .. 'h', base .. 'q'
-	local e, w, mine, prev, refused, bans, max, want, pace, known, waiting, weighs = string.match(ARGV[i + 7],
-		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%d+) (%d+) ([01]) ([01]) (%-?%d+)$')
+	local _, stop, e, w, mine, prev, refused, bans, max, want, pace, known, waiting, weighs = string.find(nums,
+		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%d+) (%d+) ([01]) ([01]) (%-?%d+) ?', pos)
+	if not stop then
+		return redis.error_reply('ERR sync: key ' .. i .. ' has no numbers')
+	end
+	pos = stop + 1
 	e, w, mine, prev, refused = tonumber(e), tonumber(w), tonumber(mine), tonumber(prev), tonumber(refused)
 	max, want, pace, weighs = tonumber(max), tonumber(want), tonumber(pace), tonumber(weighs)
 	-- at is the window the count key counts, from the instance's: 0 the

@@ -183,7 +183,7 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 			c.Limit.Ban.Milliseconds(), c.Limit.BanMax.Milliseconds())
 	}
 	batches := y.batches(s, items)
-	cmds := make([]*redis.Cmd, len(batches))
+	cmds := make([]*redis.IntSliceCmd, len(batches))
 	for i, b := range batches {
 		cmds[i] = s.syncCmd(tctx, pipe, b, ms)
 	}
@@ -219,7 +219,7 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 		}
 	}
 	for i, b := range batches {
-		res, cerr := appendInts(make([]int64, 0, syncReplies*len(b)), cmds[i])
+		res, cerr := cmds[i].Result()
 		if cerr == nil && len(res) != syncReplies*len(b) {
 			cerr = fmt.Errorf("redis sync script: %d values for %d keys", len(res), len(b))
 		}
@@ -246,27 +246,30 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 const syncReplies = 7
 
 // syncCmd queues the script call of one batch on pipe: each key's count
-// key, and its numbers in one argument (see redis_sync.lua).
-func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.Cmd {
+// key, and every key's numbers in one argument (see redis_sync.lua). Its
+// reply, 7 integers per key, is read into one []int64.
+func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.IntSliceCmd {
 	y := s.table
-	keys := make([]string, len(b))
-	args := make([]any, 7, 7+len(b))
-	args[0], args[1], args[2], args[3] = ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare)
-	args[4], args[5], args[6] = y.fleet.Load(), y.rank.Load(), flag(y.learning(ms))
-	var buf []byte
+	args := make([]any, 0, 3+len(b)+8)
+	args = append(args, "evalsha", syncScript.Hash(), len(b))
+	for i := range b {
+		args = append(args, b[i].key)
+	}
+	args = append(args, ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare),
+		y.fleet.Load(), y.rank.Load(), flag(y.learning(ms)))
+	nums := make([]byte, 0, 48*len(b))
 	for i := range b {
 		it := &b[i]
-		keys[i] = it.key
-		buf = buf[:0]
-		for j, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, it.pace, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
-			if j > 0 {
-				buf = append(buf, ' ')
+		for _, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, it.pace, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
+			if len(nums) > 0 {
+				nums = append(nums, ' ')
 			}
-			buf = strconv.AppendInt(buf, n, 10)
+			nums = strconv.AppendInt(nums, n, 10)
 		}
-		args = append(args, string(buf))
 	}
-	return syncScript.EvalSha(ctx, pipe, keys, args...)
+	cmd := redis.NewIntSliceCmd(ctx, append(args, nums)...)
+	_ = pipe.Process(ctx, cmd) // a pipeline only queues: Exec reports
+	return cmd
 }
 
 // flag is a script's boolean argument.
