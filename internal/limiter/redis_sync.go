@@ -121,9 +121,9 @@ func (s *SyncStore) forgetSync(name string, tags []string) {
 	s.table.forget(func(e *syncEntry) bool {
 		tag := e.tag // set once a round has sent the key
 		if tag == "" {
-			tag = s.tag(e.key)
+			tag = s.tag(e.key())
 		}
-		return e.name == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key || t == tag })
+		return e.name() == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key() || t == tag })
 	})
 }
 
@@ -231,16 +231,15 @@ type syncShard struct {
 	leased []*syncEntry          // leased something at the last round
 }
 
-// syncEntry is one key of one limit. Times are Unix milliseconds.
+// syncEntry is one key of one limit. Times are Unix milliseconds. The
+// small fields come last, side by side, so that an entry takes 208 bytes.
 type syncEntry struct {
-	ck        string // its key in the shard's map: cacheKey(name, key)
-	name, key string // parts of ck
-	tag       string // the key's name in Redis (its hash with hash_keys), once a round has sent it
-	window    int64
-	cal       *Calendar // the limit's calendar, if its windows follow one
-	end       int64     // the end of the window counted in mine
-	max       int64     // the limit's Max at the last decision
-	sliding   bool      // the limit's window slides
+	ck     string    // its key in the shard's map: cacheKey(name, key)
+	tag    string    // the key's name in Redis (its hash with hash_keys), once a round has sent it
+	cal    *Calendar // the limit's calendar, if its windows follow one
+	window int64
+	end    int64 // the end of the window counted in mine
+	max    int64 // the limit's Max at the last decision
 	// mine is what this instance admitted in the window; sent the value of
 	// mine that the last round read fleet with (the fleet's count then).
 	mine, sent, fleet int64
@@ -257,16 +256,32 @@ type syncEntry struct {
 	// held is what the other instances' live leases held at the last
 	// round.
 	held int64
+	// readAt is when the last round that read the window started (Unix
+	// ms; 0 before the first).
+	readAt   int64
+	refused  int64 // refusals not yet added to the tally
+	banUntil int64 // Unix ns
+	// rounds is how many rounds have read the window.
+	rounds  int32
+	nameLen int32 // the length of the limit's name in ck
+	sliding bool  // the limit's window slides
 	// leased is true while the entry is in its shard's leased list.
-	leased bool
-	// rounds is how many rounds have read the window, and readAt when
-	// the last of them started (Unix ms; 0 before the first).
-	rounds, readAt int64
-	refused        int64 // refusals not yet added to the tally
-	refusedAny     bool  // a refusal in the window (FirstRefusal)
-	bans           bool  // the limit bans: a round reads the ban
-	banUntil       int64 // Unix ns
-	dirty, gone    bool
+	leased     bool
+	refusedAny bool // a refusal in the window (FirstRefusal)
+	bans       bool // the limit bans: a round reads the ban
+	dirty      bool
+	gone       bool
+}
+
+// name returns the name of the entry's limit, a part of ck.
+func (e *syncEntry) name() string { return e.ck[:e.nameLen] }
+
+// key returns the entry's key, a part of ck (cacheKey).
+func (e *syncEntry) key() string {
+	if e.nameLen == 0 {
+		return e.ck
+	}
+	return e.ck[e.nameLen+1:]
 }
 
 // DefaultSyncTimeout returns the bound on each of a sync round's round
@@ -314,7 +329,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 		// One copy of the key: the entry's name and key are parts of
 		// the map's (cacheKey).
 		ck = strings.Clone(ck)
-		e = &syncEntry{ck: ck, name: ck[:len(c.Name)], key: ck[len(ck)-len(c.Key):], window: w, end: end}
+		e = &syncEntry{ck: ck, nameLen: int32(len(c.Name)), window: w, end: end}
 		sh.m[ck] = e
 		y.fifoMu.Lock()
 		y.fifo = append(y.fifo, e)
@@ -327,7 +342,7 @@ func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEnt
 	case e.window != w:
 		// A reload changed the window: windows of another length.
 		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
-		*e = syncEntry{ck: e.ck, name: e.name, key: e.key, tag: e.tag, window: w, cal: e.cal, end: end, max: e.max, sliding: e.sliding,
+		*e = syncEntry{ck: e.ck, nameLen: e.nameLen, tag: e.tag, window: w, cal: e.cal, end: end, max: e.max, sliding: e.sliding,
 			banUntil: e.banUntil, bans: e.bans, dirty: e.dirty}
 		y.prior(e, &c.Limit, ms)
 	case end > e.end:
@@ -605,7 +620,7 @@ func (e *syncEntry) free(weighs int64) int64 {
 func (y *syncTable) startBan(e *syncEntry, c *Check, t int64) {
 	e.banUntil = t + int64(c.Limit.Ban)
 	y.bansMu.Lock()
-	y.bans = append(y.bans, Check{Name: e.name, Key: e.key, Limit: c.Limit})
+	y.bans = append(y.bans, Check{Name: e.name(), Key: e.key(), Limit: c.Limit})
 	y.bansMu.Unlock()
 }
 

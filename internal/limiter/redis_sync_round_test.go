@@ -46,7 +46,7 @@ func TestSyncRoundTrips(t *testing.T) {
 	take := func() {
 		for _, it := range y.collect(s, &cur, buf) {
 			if sent[it.e] {
-				t.Fatalf("%s collected twice in one round", it.e.key)
+				t.Fatalf("%s collected twice in one round", it.e.key())
 			}
 			sent[it.e] = true
 		}

@@ -199,8 +199,8 @@ func (r *simRun) checkMemory(in *simInstance) {
 			held++
 			// Gone within a window and a sweep after its window ends
 			// (and a round, if it had counts to send).
-			if last, ok := in.lastReq[e.key]; !ok || r.now-last > 2*simWindow+syncSweepEvery+simSync+2*simSkew {
-				r.fail("instance %d still holds %s, last served at %v", in.n, e.key, last)
+			if last, ok := in.lastReq[e.key()]; !ok || r.now-last > 2*simWindow+syncSweepEvery+simSync+2*simSkew {
+				r.fail("instance %d still holds %s, last served at %v", in.n, e.key(), last)
 			}
 		}
 		sh.mu.Unlock()
