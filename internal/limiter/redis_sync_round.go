@@ -132,7 +132,8 @@ func (s *SyncStore) syncTick(ctx context.Context, start time.Time) {
 // time however many keys it sends. What a round trip fails to send (a
 // batch, a ban) is left to the next round (the counts are absolute:
 // sending them twice counts nothing twice), and the failure counts against
-// the store's health.
+// the store's health. One round runs at a time (the sync loop's): a round
+// keeps its place in the shards' touched lists between its trips.
 func (s *SyncStore) syncRound(ctx context.Context, start time.Time) {
 	y := s.table
 	y.trim()
