@@ -232,7 +232,8 @@ type syncShard struct {
 }
 
 // syncEntry is one key of one limit. Times are Unix milliseconds. The
-// small fields come last, side by side, so that an entry takes 208 bytes.
+// small fields come last, side by side: an entry takes 200 bytes, in the
+// 208-byte size class.
 type syncEntry struct {
 	ck     string    // its key in the shard's map: cacheKey(name, key)
 	tag    string    // the key's name in Redis (its hash with hash_keys), once a round has sent it
