@@ -132,7 +132,7 @@ func (s *SyncStore) forgetSync(name string, tags []string) {
 func (s *SyncStore) probeOnce(ctx context.Context) error {
 	ms := s.clock.Now().UnixMilli()
 	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "c")},
-		ms, s.table.id, ms, 0, 1, 0, 0, fmt.Sprintf("%d 1000 0 -1 0 0 %d 0 0 0 0 -1", (ms/1000+1)*1000, 1<<30)).Err()
+		ms, s.table.id, ms, 0, 1, 0, 0, fmt.Sprintf("[%d,1000,0,-1,0,0,%d,0,0,0,0,-1]", (ms/1000+1)*1000, 1<<30)).Err()
 }
 
 // recovered implements redisOwner: the running windows' counts go to

@@ -39,8 +39,9 @@
 -- letter instead of c, under the same hash tag, so in the same Cluster
 -- slot: p the previous count, h and q the instances' counts of the window
 -- and of the one before (hashes), r the refused tally, b the ban. ARGV[8]
--- holds every key's 12 numbers, in the order of KEYS, all separated by
--- spaces (one argument for the batch, not one per key): the end of the instance's
+-- holds every key's 12 numbers, in the order of KEYS, in one JSON array
+-- (one argument for the batch, decoded in one call, not one string per
+-- number): the end of the instance's
 -- window (Unix ms), the length of the window after it (ms: a calendar's
 -- windows vary), the instance's count of it, its count
 -- of the previous window (-1: not sent), refusals to add to the tally, 1 to
@@ -119,19 +120,19 @@ local function put(ck, hk, count, field, exp)
 	redis.call('SET', ck, count, 'PXAT', exp)
 end
 
-local out, nums, pos = {}, ARGV[8], 1
+local out, nums = {}, cjson.decode(ARGV[8])
+if #nums ~= 12 * #KEYS then
+	return redis.error_reply('ERR sync: ' .. #nums .. ' numbers for ' .. #KEYS .. ' keys, want 12 each')
+end
 for i = 1, #KEYS do
 	local c = KEYS[i]
+	-- The other keys' names are built when a key needs them: most rounds
+	-- of a fixed window need only h.
 	local base = string.sub(c, 1, -2)
-	local p, h, q = base .. 'p', base .. 'h', base .. 'q'
-	local _, stop, e, w, mine, prev, refused, bans, max, want, pace, known, waiting, weighs = string.find(nums,
-		'^(%d+) (%d+) (%d+) (%-?%d+) (%d+) ([01]) (%d+) (%d+) (%d+) ([01]) ([01]) (%-?%d+) ?', pos)
-	if not stop then
-		return redis.error_reply('ERR sync: key ' .. i .. ' has no numbers')
-	end
-	pos = stop + 1
-	e, w, mine, prev, refused = tonumber(e), tonumber(w), tonumber(mine), tonumber(prev), tonumber(refused)
-	max, want, pace, weighs = tonumber(max), tonumber(want), tonumber(pace), tonumber(weighs)
+	local h = base .. 'h'
+	local j = 12 * (i - 1)
+	local e, w, mine, prev, refused, bans = nums[j + 1], nums[j + 2], nums[j + 3], nums[j + 4], nums[j + 5], nums[j + 6] == 1
+	local max, want, pace, known, waiting, weighs = nums[j + 7], nums[j + 8], nums[j + 9], nums[j + 10] == 1, nums[j + 11] == 1, nums[j + 12]
 	-- at is the window the count key counts, from the instance's: 0 the
 	-- same (or none yet), -1 the one before, 1 the one after. The key
 	-- expires a window after its window ends.
@@ -142,22 +143,22 @@ for i = 1, #KEYS do
 	elseif ttl < 0 or 2 * ttl > 5 * w then
 		-- Not this script's, or written under a longer window (a reload
 		-- shortened it): the counts start afresh.
-		redis.call('DEL', c, p, h, q)
+		redis.call('DEL', c, base .. 'p', h, base .. 'q')
 		ttl = -2
 	else
 		at = math.floor((now + ttl - w - e) / w + 0.5)
 		if at == -1 then
 			-- The count becomes the previous count, and expires as it
 			-- should, when the instance's window ends.
-			redis.call('RENAME', c, p)
+			redis.call('RENAME', c, base .. 'p')
 			if redis.call('EXISTS', h) == 1 then
-				redis.call('RENAME', h, q)
+				redis.call('RENAME', h, base .. 'q')
 			else
-				redis.call('DEL', q)
+				redis.call('DEL', base .. 'q')
 			end
 			at, ttl = 0, -2
 		elseif at < -1 then
-			redis.call('DEL', c, p, h, q) -- an older window
+			redis.call('DEL', c, base .. 'p', h, base .. 'q') -- an older window
 			at, ttl = 0, -2
 		end
 	end
@@ -170,13 +171,13 @@ for i = 1, #KEYS do
 		end
 		total, n = counted + mine, n + 1
 		if share then
-			local learns = learning or (known == '1' and not own)
+			local learns = learning or (known and not own)
 			-- What neither the counts nor the others' leases hold (this
 			-- instance's own lease is renewed or given back), nor the
 			-- first spare shares of instances not counted yet.
 			local left = max - math.max(weighs, 0)
 			local free = left - total - held
-			if waiting == '1' and fleet > n then
+			if waiting and fleet > n then
 				free = free - (fleet - n) * math.ceil(math.floor((math.max(left, 0) + 1) / 2) / fleet)
 			end
 			if learns then
@@ -192,14 +193,16 @@ for i = 1, #KEYS do
 		end
 		put(c, h, total, mine .. '/' .. (lease + extra) .. '/' .. ends, e + w)
 		if prev >= 0 and e > now then
+			local p, q = base .. 'p', base .. 'q'
 			ptotal = others(q) + prev
 			put(p, q, ptotal, prev, e)
 		elseif weighs >= 0 then
-			ptotal = num(p)
+			ptotal = num(base .. 'p')
 		end
 	elseif at == 1 then
 		-- Redis counts the next window already: the instance's is the
 		-- previous one (a count for the one before that is dropped).
+		local p, q = base .. 'p', base .. 'q'
 		total = others(q) + mine
 		put(p, q, total, mine, e + w)
 		n = redis.call('HLEN', q)
@@ -212,7 +215,7 @@ for i = 1, #KEYS do
 		redis.call('PEXPIREAT', r, e)
 	end
 	local ban = 0
-	if bans == '1' then
+	if bans then
 		ban = math.max(redis.call('PTTL', base .. 'b'), 0)
 	end
 	local o = #out

@@ -247,7 +247,8 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 const syncReplies = 7
 
 // syncCmd queues the script call of one batch on pipe: each key's count
-// key, and every key's numbers in one argument (see redis_sync.lua). Its
+// key, and every key's numbers in one argument, a JSON array that the
+// script decodes in one call (see redis_sync.lua). Its
 // reply, 7 integers per key, is read into one []int64.
 func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.IntSliceCmd {
 	y := s.table
@@ -258,16 +259,17 @@ func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncI
 	}
 	args = append(args, ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare),
 		y.fleet.Load(), y.rank.Load(), flag(y.learning(ms)))
-	nums := make([]byte, 0, 48*len(b))
+	nums := append(make([]byte, 0, 2+48*len(b)), '[')
 	for i := range b {
 		it := &b[i]
 		for _, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, it.pace, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
-			if len(nums) > 0 {
-				nums = append(nums, ' ')
+			if len(nums) > 1 {
+				nums = append(nums, ',')
 			}
 			nums = strconv.AppendInt(nums, n, 10)
 		}
 	}
+	nums = append(nums, ']')
 	cmd := redis.NewIntSliceCmd(ctx, append(args, nums)...)
 	_ = pipe.Process(ctx, cmd) // a pipeline only queues: Exec reports
 	return cmd
