@@ -119,13 +119,12 @@ func (rl *RateLimit) serve(w http.ResponseWriter, r *http.Request, next caddyhtt
 	text := st.headerText()
 	rl.setHeaders(w.Header(), text, pl, bp, v, reset, now)
 	st.placeholders = placeholders{
-		zone:      rl.policies[0].nameAny, // the first limit is named after the zone
-		plan:      pl.name,
-		policy:    bp.nameAny,
+		zone:      &rl.policies[0],
+		plan:      pl,
+		policy:    bp,
 		key:       key,
-		limit:     bp.maxAny,
 		remaining: v.Remaining,
-		reset:     reset.boxed,
+		reset:     reset,
 		exceeded:  !allowed,
 	}
 	if !allowed {

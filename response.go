@@ -18,15 +18,20 @@ import (
 // placeholders are one request's {http.rate_limit.*} values. The replacer
 // asks for them only when a placeholder is used: setting seven values in its
 // map for every request (a lock and a map write each, two values boxed) cost
-// more than the decision.
+// more than the decision. The zone's name, the plan's, the limit's name and
+// max and the reset are read from where they are kept boxed, once per limit
+// or plan.
 type placeholders struct {
-	zone, plan, policy, limit, reset any // boxed once per limit or plan
-	key                              string
-	remaining                        int
-	retryAfter                       int64 // Retry-After's seconds on a refusal; 0 otherwise
-	exceeded                         bool
-	inFlight                         bool          // refused for the key's requests in flight (max_in_flight)
-	violated                         *violatedText // the limits that refused; nil when none did
+	zone       *policy // the zone's first limit, named after the zone
+	plan       *plan
+	policy     *policy // the limit that binds the request
+	reset      *resetText
+	key        string
+	remaining  int
+	retryAfter int64 // Retry-After's seconds on a refusal; 0 otherwise
+	exceeded   bool
+	inFlight   bool          // refused for the key's requests in flight (max_in_flight)
+	violated   *violatedText // the limits that refused; nil when none did
 }
 
 // violatedText names the limits that refused a request, as the
@@ -78,7 +83,7 @@ type requestState struct {
 type headerText struct {
 	vals [6]string // the legacy three, RateLimit-Policy, RateLimit, Retry-After
 	n    int
-	buf  [48]byte // the request's state stays in a 256-byte size class
+	buf  [48]byte // the request's state stays within 256 bytes (TestRequestStateSizeClass)
 }
 
 // number returns v's digits, written into buf when they fit there (else
@@ -147,19 +152,19 @@ func (p *placeholders) replace(key string) (any, bool) {
 	}
 	switch name {
 	case "zone":
-		return p.zone, true
+		return p.zone.nameAny, true
 	case "plan":
-		return p.plan, true
+		return p.plan.name, true
 	case "policy":
-		return p.policy, true
+		return p.policy.nameAny, true
 	case "key":
 		return p.key, true
 	case "limit":
-		return p.limit, true
+		return p.policy.maxAny, true
 	case "remaining":
 		return p.remaining, true
 	case "reset":
-		return p.reset, true
+		return p.reset.boxed, true
 	case "exceeded":
 		return p.exceeded, true
 	case "in_flight":
