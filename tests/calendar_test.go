@@ -100,7 +100,7 @@ func TestCalendarHourRedis(t *testing.T) {
 
 // In sync mode the instances agree on a calendar window's end from the
 // calendar: in Asia/Kolkata (+05:30) an hour runs from :30 UTC, and the
-// count key outlives it by the next hour.
+// hash of the window's counts outlives it by the next hour.
 func TestCalendarHourSync(t *testing.T) {
 	srv := redistest.Start(t)
 	zone := fresh("e2e-calendar-sync")
@@ -116,7 +116,7 @@ func TestCalendarHourSync(t *testing.T) {
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
-	key := "caddy_rate_limit:" + zone + ":{key:c1}:c"
+	key := "caddy_rate_limit:" + zone + ":{key:c1}:g"
 	var ttl time.Duration
 	if !eventuallyAcross(func() bool {
 		clk.Advance(100 * time.Millisecond) // the next sync round
@@ -128,6 +128,6 @@ func TestCalendarHourSync(t *testing.T) {
 	// Redis's clock reads the real time: the key expires an hour past
 	// next by it.
 	if want := time.Until(next) + time.Hour; ttl < want-2*time.Second || ttl > want+time.Second {
-		t.Errorf("the count key expires in %s, want %s: at the next :30 and an hour", ttl, want)
+		t.Errorf("the hash of counts expires in %s, want %s: at the next :30 and an hour", ttl, want)
 	}
 }

@@ -77,13 +77,34 @@ func warmUp(t *testing.T, bases []string, paths ...string) {
 	time.Sleep(400 * time.Millisecond)
 }
 
-// redisCount returns the fleet's count of key in zone as Redis holds it.
+// redisCount returns the fleet's count of key's window in progress in zone
+// as Redis holds it.
 func redisCount(t *testing.T, c redis.UniversalClient, zone, key string) int64 {
-	n, err := c.Get(context.Background(), "caddy_rate_limit:"+zone+":{key:"+key+"}:c").Int64()
-	if err != nil && err != redis.Nil {
+	fields, err := c.HGetAll(context.Background(), "caddy_rate_limit:"+zone+":{key:"+key+"}:g").Result()
+	if err != nil {
 		t.Fatal(err)
 	}
-	return n
+	return syncSum(t, fields)
+}
+
+// syncSum returns the sum of the instances' counts in a hash of sync mode's
+// counts: each field is an instance's "count/leased/until" (or "count"),
+// but "=", the window's end.
+func syncSum(t *testing.T, fields map[string]string) int64 {
+	t.Helper()
+	var sum int64
+	for f, v := range fields {
+		if f == "=" {
+			continue
+		}
+		count, _, _ := strings.Cut(v, "/")
+		n, err := strconv.ParseInt(count, 10, 64)
+		if err != nil {
+			t.Fatalf("instance %q's count %q: %v", f, v, err)
+		}
+		sum += n
+	}
+	return sum
 }
 
 // 2 and 4 Caddy instances on one redis-server, clients hammering one key
@@ -263,20 +284,21 @@ const checkAfter = time.Second
 
 // checkWindow compares what Redis holds for the window ending at end (Unix
 // seconds) with counts, what the fleet admitted of each key in it, and
-// returns both sums. A key's count is its count key, or its previous count
-// where a request of the next window moved it there.
+// returns both sums. A key's count is its hash of the window's counts, or
+// of the previous window's where a request of the next window moved it
+// there.
 func checkWindow(t *testing.T, rdb redis.UniversalClient, zone string, end int64, window time.Duration, counts map[string]int64) (want, got int64) {
 	t.Helper()
 	ctx := context.Background()
 	type row struct {
-		c, p *redis.StringCmd
+		g, o *redis.MapStringStringCmd
 		ttl  *redis.DurationCmd
 	}
 	rows := make(map[string]row, len(counts))
 	pipe := rdb.Pipeline()
 	for k := range counts {
 		base := "caddy_rate_limit:" + zone + ":{key:" + k + "}:"
-		rows[k] = row{c: pipe.Get(ctx, base+"c"), ttl: pipe.PTTL(ctx, base+"c"), p: pipe.Get(ctx, base+"p")}
+		rows[k] = row{g: pipe.HGetAll(ctx, base+"g"), ttl: pipe.PTTL(ctx, base+"g"), o: pipe.HGetAll(ctx, base+"o")}
 	}
 	now := time.Now()
 	if _, err := pipe.Exec(ctx); err != nil && err != redis.Nil {
@@ -287,10 +309,10 @@ func checkWindow(t *testing.T, rdb redis.UniversalClient, zone string, end int64
 	wrong := 0
 	for k, n := range counts {
 		r := rows[k]
-		held, _ := r.c.Int64()
-		// The count key expires a window after the end of its window.
+		held := syncSum(t, r.g.Val())
+		// The hash expires a window after the end of its window.
 		if counted := now.Add(r.ttl.Val() - window); counted.Sub(time.Unix(end, 0)).Abs() > window/2 {
-			held, _ = r.p.Int64()
+			held = syncSum(t, r.o.Val())
 		}
 		want += n
 		got += held

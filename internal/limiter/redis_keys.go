@@ -60,8 +60,9 @@ func (s *redisCore) appendBase(b []byte, name, tag string) []byte {
 	return append(b, "}:"...)
 }
 
-// parseKey splits a count or ban key the store wrote into the limit name
-// and the tag; ok is false for a key of another zone whose name the prefix starts.
+// parseKey splits a count key (…:c, or sync mode's …:g) or ban key the
+// store wrote into the limit name and the tag; ok is false for a key of
+// another zone whose name the prefix starts.
 func (s *redisCore) parseKey(k string) (name, tag string, ok bool) {
 	rest, ok := strings.CutPrefix(k, s.prefix)
 	if !ok {
@@ -74,7 +75,7 @@ func (s *redisCore) parseKey(k string) (name, tag string, ok bool) {
 		}
 		name, rest = after[:i], after[i+1:]
 	}
-	if !strings.HasPrefix(rest, "{") || !(strings.HasSuffix(rest, "}:c") || strings.HasSuffix(rest, "}:b")) {
+	if !strings.HasPrefix(rest, "{") || !(strings.HasSuffix(rest, "}:c") || strings.HasSuffix(rest, "}:g") || strings.HasSuffix(rest, "}:b")) {
 		return "", "", false
 	}
 	return name, rest[1 : len(rest)-3], true

@@ -15,10 +15,11 @@ import (
 // rangeKeys calls fn for each live count key of the zone, walking them
 // with SCAN (on every master of a Cluster), a page at a time, never KEYS,
 // and reading each page's counts and expiries in one pipeline. With hashed
-// keys, KeyState.Key is the hash (see HashedKeys). outlive says that every
-// count outlives its window by a window (sync mode's layout), not only a
-// sliding one's.
-func (s *redisCore) rangeKeys(ctx context.Context, now time.Time, outlive bool, fn func(KeyState) bool) error {
+// keys, KeyState.Key is the hash (see HashedKeys). synced says the keys are
+// sync mode's (redis_sync.lua): a window's counts are a hash of the
+// instances' (…:g, and …:o for the window before), which outlives its
+// window by a window.
+func (s *redisCore) rangeKeys(ctx context.Context, now time.Time, synced bool, fn func(KeyState) bool) error {
 	// ForEachMaster scans a Cluster's masters concurrently: fn is called
 	// one at a time all the same.
 	var mu sync.Mutex
@@ -33,8 +34,12 @@ func (s *redisCore) rangeKeys(ctx context.Context, now time.Time, outlive bool, 
 		return !stopped
 	}
 	err := s.forEachNode(ctx, func(ctx context.Context, c scanner) error {
-		return s.scanPages(ctx, c, "[cb]", func(ctx context.Context, keys []string) error {
-			return s.readPage(ctx, c, keys, now, outlive, call)
+		suffix := "[cb]"
+		if synced {
+			suffix = "[bg]"
+		}
+		return s.scanPages(ctx, c, suffix, func(ctx context.Context, keys []string) error {
+			return s.readPage(ctx, c, keys, now, synced, call)
 		})
 	})
 	if errors.Is(err, errStopRange) {
@@ -94,27 +99,32 @@ func (s *redisCore) scanPages(ctx context.Context, c scanner, suffix string, pag
 // readPage reads the count, expiry, refused tally and ban of a page of
 // count and ban keys in one pipeline and passes the live ones to fn. A ban
 // key is listed on its own only once its count key has gone (a ban outlives
-// its window); before, the count key's row carries it.
-func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now time.Time, outlive bool, fn func(KeyState) bool) error {
+// its window); before, the count key's row carries it. synced: as in
+// rangeKeys.
+func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now time.Time, synced bool, fn func(KeyState) bool) error {
 	type row struct {
 		count, refused, prev *redis.StringCmd
+		fleet, fleetPrev     *redis.MapStringStringCmd // synced
 		ttl, ban             *redis.DurationCmd
 		counted              *redis.IntCmd
+	}
+	counts, prevs := "c", "p"
+	if synced {
+		counts, prevs = "g", "o"
 	}
 	rows := make([]row, len(keys))
 	pipe := c.Pipeline()
 	for i, k := range keys {
 		base := k[:len(k)-1]
 		if strings.HasSuffix(k, "b") {
-			rows[i] = row{ban: pipe.PTTL(ctx, k), counted: pipe.Exists(ctx, base+"c"), refused: pipe.Get(ctx, base+"r")}
+			rows[i] = row{ban: pipe.PTTL(ctx, k), counted: pipe.Exists(ctx, base+counts), refused: pipe.Get(ctx, base+"r")}
 			continue
 		}
-		rows[i] = row{
-			count:   pipe.Get(ctx, k),
-			ttl:     pipe.PTTL(ctx, k),
-			refused: pipe.Get(ctx, base+"r"),
-			prev:    pipe.Get(ctx, base+"p"),
-			ban:     pipe.PTTL(ctx, base+"b"),
+		rows[i] = row{ttl: pipe.PTTL(ctx, k), refused: pipe.Get(ctx, base+"r"), ban: pipe.PTTL(ctx, base+"b")}
+		if synced {
+			rows[i].fleet, rows[i].fleetPrev = pipe.HGetAll(ctx, k), pipe.HGetAll(ctx, base+prevs)
+		} else {
+			rows[i].count, rows[i].prev = pipe.Get(ctx, k), pipe.Get(ctx, base+prevs)
 		}
 	}
 	// Exec returns the first command's error: one for a missing key, or a
@@ -129,7 +139,7 @@ func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now 
 		}
 		refused, _ := rows[i].refused.Int()
 		ban := rows[i].ban.Val()
-		if rows[i].count == nil {
+		if rows[i].ttl == nil {
 			if ban <= 0 || rows[i].counted.Val() > 0 {
 				continue
 			}
@@ -139,12 +149,19 @@ func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now 
 			}
 			continue
 		}
-		count, err := rows[i].count.Int()
+		var count, prev int
+		var err error
+		if synced {
+			count, err = fleetCount(rows[i].fleet.Val(), rows[i].fleet.Err())
+			prev, _ = fleetCount(rows[i].fleetPrev.Val(), rows[i].fleetPrev.Err())
+		} else {
+			count, err = rows[i].count.Int()
+			prev, _ = rows[i].prev.Int()
+		}
 		ttl := rows[i].ttl.Val()
 		if err != nil || ttl <= 0 {
 			continue // expired between SCAN and GET
 		}
-		prev, _ := rows[i].prev.Int()
 		ks := KeyState{Key: tag, Count: count, Refused: refused, Prev: prev, Name: name}
 		if l, ok := s.limitNamed(name); ok {
 			switch {
@@ -152,7 +169,7 @@ func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now 
 				// The count key holds the theoretical arrival time; it
 				// expires when the bucket is full again.
 				ks.Count = 0
-			case l.Sliding() || outlive:
+			case l.Sliding() || synced:
 				// A sliding count, and every count in sync mode, outlives
 				// its window by a window, as the next one's previous count
 				// (redis.lua, redis_sync.lua): its window ends a window
@@ -235,7 +252,7 @@ func (s *redisCore) deleteKeys(ctx context.Context, name string, tags []string) 
 	found := false
 	for _, tag := range tags {
 		base := s.base(name, tag)
-		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p", base+"b", base+"s", base+"h", base+"q").Result()
+		n, err := s.client.Del(ctx, base+"c", base+"r", base+"p", base+"b", base+"s", base+"g", base+"o").Result()
 		if err != nil {
 			return found, fmt.Errorf("deleting redis key %q: %w", base+"c", err)
 		}

@@ -6,6 +6,7 @@ import (
 	"hash/maphash"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -131,8 +132,31 @@ func (s *SyncStore) forgetSync(name string, tags []string) {
 // probe key, through the client the rounds use.
 func (s *SyncStore) probeOnce(ctx context.Context) error {
 	ms := s.clock.Now().UnixMilli()
-	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "c")},
+	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "g")},
 		ms, s.table.id, ms, 0, 1, 0, 0, fmt.Sprintf("[%d,1000,0,-1,0,0,%d,0,0,0,0,-1]", (ms/1000+1)*1000, 1<<30)).Err()
+}
+
+// fleetCount returns the fleet's count a hash of sync mode's counts holds
+// (redis_sync.lua): the sum of the instances' fields, each "count" or
+// "count/leased/until"; field "=" is the window's end. A field the module
+// did not write is an error, as is err.
+func fleetCount(fields map[string]string, err error) (int, error) {
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for f, v := range fields {
+		if f == "=" {
+			continue
+		}
+		count, _, _ := strings.Cut(v, "/")
+		c, err := strconv.Atoi(count)
+		if err != nil {
+			return 0, fmt.Errorf("reading instance %q's sync count %q: %w", f, v, err)
+		}
+		n += c
+	}
+	return n, nil
 }
 
 // recovered implements redisOwner: the running windows' counts go to

@@ -1,20 +1,22 @@
 -- One batch of a sync round (store redis { sync }): for each key an
 -- instance touched since its last round, it writes the instance's own count
--- of the window and reads back the fleet's. Each instance's count is a
--- field of a hash, and the count key holds their sum, so a round sent twice
--- (a reply lost to a timeout) or again after Redis lost its data (a
--- restart) writes the same figures: nothing is counted twice, and nothing
--- the instances still hold is lost. A refund (count_status) is a lower
+-- of the window and reads back the fleet's. A key's counts of a window are
+-- one hash, a field per instance, so a round sent twice (a reply lost to a
+-- timeout) or again after Redis lost its data (a restart) writes the same
+-- figures: nothing is counted twice, and nothing the instances still hold
+-- is lost. The fleet's count is the fields' sum, read with them: a key
+-- costs one read and one write a round. A refund (count_status) is a lower
 -- count. The keys of one client share a hash tag, so a batch whose keys are
 -- of one Cluster slot is one call.
 --
 -- Windows are aligned to the clock: every instance computes the same end
--- for the window in progress. A count key expires a window after its
--- window ends, so its time to live tells which window it counts; the
--- previous window's count stays readable (a sliding window weighs it) and
--- takes the late counts of instances that had not sent them when the
--- window ended. A count for a window older than that is never sent, and one
--- for a window Redis has already left behind is dropped (-1).
+-- for the window in progress, and the hash holds its window's end (field
+-- "="). The hash expires a window after its window ends: it then holds the
+-- previous window's counts (renamed from g to o when the next window's
+-- first count comes), which a sliding window weighs and which take the
+-- late counts of instances that had not sent them when the window ended.
+-- A count for a window older than that is never sent, and one for a
+-- window Redis has already left behind is dropped (-1).
 --
 -- With spend share, an instance spends between two rounds what a round
 -- leased it: the units it asked for (its recent demand) of what neither
@@ -35,10 +37,10 @@
 --   share; ARGV[5] the instances that synced recently; ARGV[6] this one's
 --   rank among them by id, from 0; ARGV[7] 1 while learning (the lease no more
 --   than the pace).
--- For key i, KEYS[i] is its count key; its other keys end in another
--- letter instead of c, under the same hash tag, so in the same Cluster
--- slot: p the previous count, h and q the instances' counts of the window
--- and of the one before (hashes), r the refused tally, b the ban. ARGV[8]
+-- For key i, KEYS[i] is its hash of the window's counts (g); its other
+-- keys end in another letter instead of g, under the same hash tag, so in
+-- the same Cluster slot: o the counts of the window before, r the refused
+-- tally, b the ban. ARGV[8]
 -- holds every key's 12 numbers, in the order of KEYS, in one JSON array
 -- (one argument for the batch, decoded in one call, not one string per
 -- number): the end of the instance's
@@ -76,29 +78,19 @@ local function spare(free)
 	return s
 end
 
--- num returns the integer key k holds, 0 when none.
-local function num(k)
-	local v = redis.pcall('GET', k)
-	if type(v) == 'string' then
-		return tonumber(v) or 0
-	end
-	return 0
-end
-
--- others returns the other instances' counts in hash hk, summed, what
--- their live leases hold, summed, how many they are, and whether hk holds
--- this instance's field; a key under hk that is not a hash (a hand-made
--- SET) goes.
-local function others(hk)
-	local all = redis.pcall('HGETALL', hk)
-	if all.err then
-		redis.call('DEL', hk)
-		return 0, 0, 0, false
-	end
-	local total, held, n, own = 0, 0, 0, false
+-- tally parses the fields of a hash of counts (HGETALL's reply): the
+-- window end it holds (its "=" field, nil when none), the other instances'
+-- counts, summed, what their live leases hold, summed, how many they are,
+-- and whether it holds this instance's field. whole counts this
+-- instance's field with the others' (a previous window, weighed whole).
+local function tally(all, whole)
+	local ge, total, held, n, seen = nil, 0, 0, 0, false
 	for j = 1, #all, 2 do
-		if all[j] == inst then
-			own = true
+		local f = all[j]
+		if f == '=' then
+			ge = tonumber(all[j + 1])
+		elseif f == inst and not whole then
+			seen = true
 		else
 			local count, lease, lapses = string.match(all[j + 1], '^(%-?%d+)/?(%d*)/?(%d*)$')
 			total = total + (tonumber(count) or 0)
@@ -108,16 +100,32 @@ local function others(hk)
 			n = n + 1
 		end
 	end
-	return total, held, n, own
+	return ge, total, held, n, seen
 end
 
--- put writes the instance's field of hash hk and the fleet's count into
--- ck, both expiring at exp (the hash keeps the expiry it has).
-local function put(ck, hk, count, field, exp)
-	if redis.call('HSET', hk, inst, field) == 1 then
-		redis.call('PEXPIREAT', hk, exp)
+-- counts returns HGETALL of hash k; a key under k that is not a hash (a
+-- hand-made SET) goes.
+local function counts(k)
+	local all = redis.pcall('HGETALL', k)
+	if all.err then
+		redis.call('DEL', k)
+		return {}
 	end
-	redis.call('SET', ck, count, 'PXAT', exp)
+	return all
+end
+
+-- put writes the instance's field of hash k. A new hash (fresh) expires
+-- at exp, a window after its window ends, and holds that end (ge) when
+-- given; a hash keeps the expiry it has.
+local function put(k, field, fresh, exp, ge)
+	if fresh and ge then
+		redis.call('HSET', k, '=', ge, inst, field)
+	else
+		redis.call('HSET', k, inst, field)
+	end
+	if fresh then
+		redis.call('PEXPIREAT', k, exp)
+	end
 end
 
 local out, nums = {}, cjson.decode(ARGV[8])
@@ -125,50 +133,44 @@ if #nums ~= 12 * #KEYS then
 	return redis.error_reply('ERR sync: ' .. #nums .. ' numbers for ' .. #KEYS .. ' keys, want 12 each')
 end
 for i = 1, #KEYS do
-	local c = KEYS[i]
+	local g = KEYS[i]
 	-- The other keys' names are built when a key needs them: most rounds
-	-- of a fixed window need only h.
-	local base = string.sub(c, 1, -2)
-	local h = base .. 'h'
+	-- of a fixed window need only g.
+	local base = string.sub(g, 1, -2)
 	local j = 12 * (i - 1)
 	local e, w, mine, prev, refused, bans = nums[j + 1], nums[j + 2], nums[j + 3], nums[j + 4], nums[j + 5], nums[j + 6] == 1
 	local max, want, pace, known, waiting, weighs = nums[j + 7], nums[j + 8], nums[j + 9], nums[j + 10] == 1, nums[j + 11] == 1, nums[j + 12]
-	-- at is the window the count key counts, from the instance's: 0 the
-	-- same (or none yet), -1 the one before, 1 the one after. The key
-	-- expires a window after its window ends.
-	local ttl, at = redis.call('PTTL', c), 0
-	if ttl == -2 then
-		-- No count: a new window (a previous count, if any, is the
-		-- previous window's: it expires when this one ends).
-	elseif ttl < 0 or 2 * ttl > 5 * w then
+	-- at is the window g counts, from the instance's: 0 the same (or none
+	-- yet), -1 the one before, 1 the one after. g expires a window after
+	-- its window ends.
+	local all = counts(g)
+	local ge, counted, held, n, own = tally(all, false)
+	local at, fresh = 0, #all == 0
+	if fresh then
+		-- A new window (o, if any, is the previous window's: it expires
+		-- when this one ends).
+	elseif not ge or 2 * (ge + w - now) > 5 * w then
 		-- Not this script's, or written under a longer window (a reload
 		-- shortened it): the counts start afresh.
-		redis.call('DEL', c, base .. 'p', h, base .. 'q')
-		ttl = -2
+		redis.call('DEL', g, base .. 'o')
+		fresh = true
 	else
-		at = math.floor((now + ttl - w - e) / w + 0.5)
+		at = math.floor((ge - e) / w + 0.5)
 		if at == -1 then
-			-- The count becomes the previous count, and expires as it
-			-- should, when the instance's window ends.
-			redis.call('RENAME', c, base .. 'p')
-			if redis.call('EXISTS', h) == 1 then
-				redis.call('RENAME', h, base .. 'q')
-			else
-				redis.call('DEL', base .. 'q')
-			end
-			at, ttl = 0, -2
+			-- g becomes the previous window's, and expires as it should,
+			-- when the instance's window ends.
+			redis.call('RENAME', g, base .. 'o')
+			at, fresh = 0, true
 		elseif at < -1 then
-			redis.call('DEL', c, base .. 'p', h, base .. 'q') -- an older window
-			at, ttl = 0, -2
+			redis.call('DEL', g, base .. 'o') -- an older window
+			at, fresh = 0, true
 		end
 	end
-	local total, n, ptotal, lease, extra, held = -1, 0, 0, 0, 0, 0
+	if fresh then
+		counted, held, n, own = 0, 0, 0, false
+	end
+	local total, ptotal, lease, extra = -1, 0, 0, 0
 	if at == 0 then
-		-- The others' counts and live leases: none in a new window.
-		local counted, own = 0, false
-		if ttl ~= -2 then
-			counted, held, n, own = others(h)
-		end
 		total, n = counted + mine, n + 1
 		if share then
 			local learns = learning or (known and not own)
@@ -191,21 +193,26 @@ for i = 1, #KEYS do
 				extra = spare(free - lease)
 			end
 		end
-		put(c, h, total, mine .. '/' .. (lease + extra) .. '/' .. ends, e + w)
+		put(g, mine .. '/' .. (lease + extra) .. '/' .. ends, fresh, e + w, e)
 		if prev >= 0 and e > now then
-			local p, q = base .. 'p', base .. 'q'
-			ptotal = others(q) + prev
-			put(p, q, ptotal, prev, e)
+			local o = base .. 'o'
+			local pall = counts(o)
+			local _, others = tally(pall, false)
+			ptotal = others + prev
+			put(o, prev, #pall == 0, e)
 		elseif weighs >= 0 then
-			ptotal = num(base .. 'p')
+			local _, whole = tally(counts(base .. 'o'), true)
+			ptotal = whole
 		end
 	elseif at == 1 then
 		-- Redis counts the next window already: the instance's is the
 		-- previous one (a count for the one before that is dropped).
-		local p, q = base .. 'p', base .. 'q'
-		total = others(q) + mine
-		put(p, q, total, mine, e + w)
-		n = redis.call('HLEN', q)
+		local o = base .. 'o'
+		local pall = counts(o)
+		local _, others, _, m = tally(pall, false)
+		total = others + mine
+		put(o, mine, #pall == 0, e + w)
+		n = m + 1
 	end
 	if total >= 0 and refused > 0 then
 		local r = base .. 'r'

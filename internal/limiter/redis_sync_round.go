@@ -398,7 +398,7 @@ func (y *syncTable) itemOf(s *SyncStore, e *syncEntry, i int, ms int64, all bool
 		e.tag = s.tag(e.key())
 	}
 	it := syncItem{
-		e: e, shard: i, key: s.keyOf(e.name(), e.tag, "c"),
+		e: e, shard: i, key: s.keyOf(e.name(), e.tag, "g"),
 		end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
 		refused: e.refused, bans: e.bans,
 		max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,

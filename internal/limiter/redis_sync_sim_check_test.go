@@ -7,8 +7,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // The fleet simulator's invariants (redis_sync_sim_test.go runs the
@@ -32,13 +30,12 @@ func (r *simRun) trace(in *simInstance, key, what string) {
 	}
 	if strings.HasPrefix(what, "round") {
 		base := in.s.base("", key)
-		c, _ := r.mini.Get(base + "c")
-		h, _ := r.mini.HKeys(base + "h")
+		g, _ := r.mini.HKeys(base + "g")
 		var fields []string
-		for _, f := range h {
-			fields = append(fields, f+"="+r.mini.HGet(base+"h", f))
+		for _, f := range g {
+			fields = append(fields, f+"="+r.mini.HGet(base+"g", f))
 		}
-		what += fmt.Sprintf(" [redis c=%s ttl=%v h=%v]", c, r.mini.TTL(base+"c"), fields)
+		what += fmt.Sprintf(" [redis ttl=%v g=%v]", r.mini.TTL(base+"g"), fields)
 	}
 	fmt.Printf("%v inst %d (fleet %d rank %d learning %v epoch %s): %s end %d mine %d sent %d fleet %d lease %d spare %d from %d held %d until %v rounds %d\n",
 		r.now, in.n, y.fleet.Load(), y.rank.Load(), y.learning(in.clk.Now().UnixMilli()), y.epoch, what, e.end, e.mine, e.sent, e.fleet, e.lease, e.spare, e.budgetFrom, e.held,
@@ -162,12 +159,9 @@ func (r *simRun) checkRedis(kw *simKeyWindow, outage bool, endSim time.Duration)
 	}
 	in := r.insts[0]
 	held := int64(0)
-	for _, suffix := range []string{"c", "p"} {
+	for _, suffix := range []string{"g", "o"} {
 		key := in.s.base("", kw.key) + suffix
-		n, err := in.client.Get(r.ctx, key).Int64()
-		if err == redis.Nil {
-			continue
-		}
+		n, err := fleetCount(in.client.HGetAll(r.ctx, key).Result())
 		if err != nil {
 			r.t.Fatal(err)
 		}
@@ -177,7 +171,7 @@ func (r *simRun) checkRedis(kw *simKeyWindow, outage bool, endSim time.Duration)
 		}
 		// A count expires a window after its window ends.
 		if ends := r.base.Add(r.now).Add(ttl).Add(-simWindow).UnixMilli(); ends == kw.end {
-			held = n
+			held = int64(n)
 		}
 	}
 	r.checkedEqual++

@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/clock"
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
@@ -107,10 +105,7 @@ func TestRedisSyncFleetOneKey(t *testing.T) {
 				}
 				wg.Wait()
 				waitSynced(t, fleet)
-				got, err := fleet[0].client.Get(context.Background(), fleet[0].base("", "hammered")+"c").Int64()
-				if err != nil {
-					t.Fatal(err)
-				}
+				got := count(t, fleet[0], "hammered")
 				t.Logf("%d instances, spend %s: admitted %d of max %d; Redis holds %d", n, spend, admitted.Load(), limit.Max, got)
 				if got != admitted.Load() {
 					t.Errorf("Redis holds %d, the fleet admitted %d", got, admitted.Load())
@@ -176,14 +171,21 @@ func round(fleet ...*SyncStore) {
 	}
 }
 
-// count returns what Redis holds for key in s's zone's first limit.
+// count returns the fleet's count Redis holds for key's window in progress
+// in s's zone's first limit.
 func count(t *testing.T, s *SyncStore, key string) int64 {
 	t.Helper()
-	n, err := s.client.Get(context.Background(), s.base("", key)+"c").Int64()
-	if err != nil && err != redis.Nil {
+	return held(t, s, s.base("", key)+"g")
+}
+
+// held returns the fleet's count a hash of sync mode's counts holds.
+func held(t *testing.T, s *SyncStore, k string) int64 {
+	t.Helper()
+	n, err := fleetCount(s.client.HGetAll(context.Background(), k).Result())
+	if err != nil {
 		t.Fatal(err)
 	}
-	return n
+	return int64(n)
 }
 
 // admit sends n decisions for key to s and returns how many were admitted.
@@ -373,9 +375,8 @@ func TestRedisSyncSlidingCost(t *testing.T) {
 		t.Errorf("cost 4 at the next window's start: %+v, want a refusal with a wait", v)
 	}
 	round(s)
-	prev, err := s.client.Get(context.Background(), s.base("", "s")+"p").Int64()
-	if err != nil || prev != 8 || count(t, s, "s") != 1 {
-		t.Errorf("Redis holds %d (%v) as the previous count and %d as the count, want 8 and 1", prev, err, count(t, s, "s"))
+	if prev := held(t, s, s.base("", "s")+"o"); prev != 8 || count(t, s, "s") != 1 {
+		t.Errorf("Redis holds %d as the previous count and %d as the count, want 8 and 1", prev, count(t, s, "s"))
 	}
 }
 
@@ -403,9 +404,8 @@ func TestRedisSyncSeveralLimits(t *testing.T) {
 	}
 	round(s)
 	for _, name := range []string{"", "burst"} {
-		n, err := s.client.Get(context.Background(), s.base(name, "m")+"c").Int64()
-		if err != nil || n != 2 {
-			t.Errorf("limit %q: Redis holds %d (%v), want 2", name, n, err)
+		if n := held(t, s, s.base(name, "m")+"g"); n != 2 {
+			t.Errorf("limit %q: Redis holds %d, want 2", name, n)
 		}
 	}
 }
