@@ -60,7 +60,7 @@
 -- ban (0: none), the units leased to the instance, its spare share (none
 -- when it asked for nothing: it gives its lease back), and what the other
 -- instances' live leases hold (spend share).
-local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
+local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4] == '1' -- ends is only written: it stays a string
 local fleet, rank, learning = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
 
 -- spare returns the instance's spare share of free units: half of them
