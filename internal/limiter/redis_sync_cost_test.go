@@ -17,6 +17,7 @@ import (
 // one instance, 100,000 keys each hit once per round, as per-IP limits
 // are. Each iteration is one round; redis-µs/key is the change of
 // redis-server's CPU time (INFO cpu) divided by the keys the rounds sent,
+// redis-bytes/key the memory Redis holds per key after them (INFO memory),
 // and heap-bytes/key the live heap the store holds per key after them.
 func BenchmarkSyncRedisCost(b *testing.B) {
 	srv := redistest.StartReal(b, "Redis's CPU time is a real redis-server's")
@@ -41,6 +42,7 @@ func BenchmarkSyncRedisCost(b *testing.B) {
 			s.table.setReady()
 			lim := Limit{Window: time.Minute, Max: 1000}
 			ctx := context.Background()
+			mem0 := redisInfo(b, client, "memory", "used_memory")
 			hitAll := func() {
 				now := s.clock.Now()
 				for _, id := range ids {
@@ -62,6 +64,7 @@ func BenchmarkSyncRedisCost(b *testing.B) {
 				sent += keys
 			}
 			b.ReportMetric(float64(cpu.Microseconds())/sent, "redis-µs/key")
+			b.ReportMetric((redisInfo(b, client, "memory", "used_memory")-mem0)/keys, "redis-bytes/key")
 			runtime.GC()
 			runtime.ReadMemStats(&after)
 			b.ReportMetric((float64(after.HeapAlloc)-float64(before.HeapAlloc))/keys, "heap-bytes/key")
@@ -72,17 +75,25 @@ func BenchmarkSyncRedisCost(b *testing.B) {
 
 // redisCPU returns the CPU time redis-server has used (INFO cpu).
 func redisCPU(b *testing.B, client redis.UniversalClient) time.Duration {
-	info, err := client.Info(context.Background(), "cpu").Result()
+	sum := redisInfo(b, client, "cpu", "used_cpu_sys") + redisInfo(b, client, "cpu", "used_cpu_user")
+	return time.Duration(sum * float64(time.Second))
+}
+
+// redisInfo returns the number field of INFO section.
+func redisInfo(b *testing.B, client redis.UniversalClient, section, field string) float64 {
+	info, err := client.Info(context.Background(), section).Result()
 	if err != nil {
 		b.Fatal(err)
 	}
-	var sum float64
 	for _, line := range strings.Split(info, "\n") {
-		k, v, _ := strings.Cut(strings.TrimSpace(line), ":")
-		if k == "used_cpu_sys" || k == "used_cpu_user" {
-			f, _ := strconv.ParseFloat(v, 64)
-			sum += f
+		if k, v, _ := strings.Cut(strings.TrimSpace(line), ":"); k == field {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				b.Fatalf("INFO %s: %s: %v", section, line, err)
+			}
+			return f
 		}
 	}
-	return time.Duration(sum * float64(time.Second))
+	b.Fatalf("INFO %s has no %s", section, field)
+	return 0
 }
