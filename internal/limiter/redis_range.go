@@ -70,8 +70,8 @@ func (s *redisCore) forEachNode(ctx context.Context, fn func(ctx context.Context
 }
 
 // scanPages calls page with each page of the zone's keys of the kinds
-// suffix matches (a glob: "c" for count keys, "[cb]" with ban keys) on one
-// Redis node.
+// suffix matches (a glob: "c" for count keys, "[cb]" with ban keys, "[bg]"
+// for sync mode's hashes of counts and ban keys) on one Redis node.
 func (s *redisCore) scanPages(ctx context.Context, c scanner, suffix string, page func(ctx context.Context, keys []string) error) error {
 	pattern := escapeGlob(s.prefix) + "*{*}:" + suffix
 	var cursor uint64

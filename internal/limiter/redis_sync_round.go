@@ -66,9 +66,9 @@ const (
 type syncItem struct {
 	e     *syncEntry
 	shard int
-	key   string // the count key
+	key   string // the hash of the window's counts (…:g)
 	// end names the window mine counts, and window is the length of the
-	// one after it (its count key outlives it by that: redis_sync.lua);
+	// one after it (its hash of counts outlives it by that: redis_sync.lua);
 	// prev is the count of the window before (-1: not sent); refused the
 	// refusals to tally.
 	end, window, mine, prev, refused int64

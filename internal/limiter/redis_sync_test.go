@@ -443,3 +443,67 @@ func TestRedisSyncHashedKeys(t *testing.T) {
 		t.Errorf("after the unblock Redis holds %d", got)
 	}
 }
+
+// A key under the zone's prefix that sync mode did not write (a hand-made
+// SET, a list, a hash of other fields, a window end that is no number or
+// of a window far ahead) starts that key's counts afresh: the round does
+// not fail, Redis then holds the instance's count, and the listing, which
+// skips a damaged count, reads it.
+func TestRedisSyncDamagedKeysStartAfresh(t *testing.T) {
+	srv := redistest.Start(t)
+	fixed := Limit{Window: time.Minute, Max: 10}
+	sliding := Limit{Window: time.Minute, Max: 10, Algorithm: SlidingWindow} // reads …:o every round
+	s := manualFleet(t, srv, 1, RedisStoreOptions{Clock: alignedClock(fixed.Window)})[0]
+	ctx := context.Background()
+	ahead := strconv.FormatInt(s.clock.Now().Add(time.Hour).UnixMilli(), 10)
+	damages := map[string]func(k string) error{
+		"string":      func(k string) error { return s.client.Set(ctx, k, "many", 0).Err() },
+		"list":        func(k string) error { return s.client.RPush(ctx, k, "1").Err() },
+		"fields":      func(k string) error { return s.client.HSet(ctx, k, "f", "x/y/z").Err() },
+		"end-no-num":  func(k string) error { return s.client.HSet(ctx, k, "=", "soon", "other", "5/0/0").Err() },
+		"end-ahead":   func(k string) error { return s.client.HSet(ctx, k, "=", ahead, "other", "5/0/0").Err() },
+		"bad-numbers": func(k string) error { return s.client.HSet(ctx, k, "other", "1e400/-/x").Err() },
+	}
+	want := map[string]int{}
+	for what, damage := range damages {
+		for _, suffix := range []string{"g", "o"} {
+			for name, limit := range map[string]Limit{"fixed": fixed, "sliding": sliding} {
+				key := what + "-" + suffix + "-" + name
+				if n := admit(t, s, key, limit, 3); n != 3 {
+					t.Fatalf("%s: admitted %d of 3", key, n)
+				}
+				round(s)
+				k := s.base("", key) + suffix
+				if err := s.client.Del(ctx, k).Err(); err != nil {
+					t.Fatal(err)
+				}
+				if err := damage(k); err != nil {
+					t.Fatal(err)
+				}
+				if err := s.Range(ctx, s.clock.Now(), func(KeyState) bool { return true }); err != nil {
+					t.Fatalf("%s: listing with the damaged key: %v", key, err)
+				}
+				if n := admit(t, s, key, limit, 2); n != 2 {
+					t.Fatalf("%s: admitted %d of 2 after the damage", key, n)
+				}
+				round(s)
+				want[key] = 5
+			}
+		}
+	}
+	if h := s.Health(); h != HealthHealthy {
+		t.Fatalf("health %s after rounds over damaged keys, want HEALTHY", h)
+	}
+	got := map[string]int{}
+	if err := s.Range(ctx, s.clock.Now(), func(ks KeyState) bool { got[ks.Key] = ks.Count; return true }); err != nil {
+		t.Fatal(err)
+	}
+	for key, n := range want {
+		if c := count(t, s, key); c != int64(n) {
+			t.Errorf("%s: Redis holds %d, want %d", key, c, n)
+		}
+		if got[key] != n {
+			t.Errorf("%s: the listing reads %d, want %d", key, got[key], n)
+		}
+	}
+}
