@@ -255,7 +255,7 @@ func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncI
 	args := make([]any, 0, 3+len(b)+8)
 	args = append(args, "evalsha", syncScript.Hash(), len(b))
 	for i := range b {
-		args = append(args, b[i].key)
+		args = append(args, &b[i].key) // a pointer boxes without an allocation
 	}
 	args = append(args, ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare),
 		y.fleet.Load(), y.rank.Load(), flag(y.learning(ms)))
