@@ -219,7 +219,8 @@ func selected(name, only string) bool {
 // run starts bin with a site holding block, loads it with wrk and returns
 // the figures.
 func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Duration, redisAddr string) result {
-	port := freePort()
+	ports := freePorts(2) // the site's, and the admin endpoint's when it has one
+	port := ports[0]
 	mark := strconv.FormatInt(time.Now().UnixNano(), 36)
 	servers := ""
 	if sc.xff {
@@ -228,7 +229,7 @@ func run(dir, bin, block string, sc scenario, lua string, conns int, d time.Dura
 	// A Redis run's admin endpoint serves the sync metrics (keys synced).
 	admin, adminPort := "admin off", 0
 	if sc.redis {
-		adminPort = freePort()
+		adminPort = ports[1]
 		admin = fmt.Sprintf("admin 127.0.0.1:%d", adminPort)
 	}
 	cfg := fmt.Sprintf(`{
@@ -465,13 +466,21 @@ func medians(rs []result) result {
 
 // freePort returns a loopback port that was free a moment ago (waitFor
 // checks that the Caddy started on it is the one answering).
-func freePort() int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		log.Fatal(err)
+func freePort() int { return freePorts(1)[0] }
+
+// freePorts returns n distinct free loopback ports: each is held until
+// all are found, so that the kernel cannot hand out one of them twice.
+func freePorts(n int) []int {
+	ports := make([]int, n)
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			log.Fatal(err)
+		}
+		defer l.Close()
+		ports[i] = l.Addr().(*net.TCPAddr).Port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return ports
 }
 
 // startRedis starts a redis-server without persistence on a free port.
