@@ -12,7 +12,8 @@
 // enabled false) or, on a third build, nothing but the quota headers
 // (bench/headerfloor) or the Redis round trip (bench/redisfloor): what
 // Caddy, net/http, the client and go-redis cost before any limiter decides
-// anything.
+// anything. A scenario that names its A runs it on the module's build
+// too: sync mode against the memory store.
 //
 // It needs wrk and, for the Redis scenarios, redis-server on the PATH. It
 // builds the Caddys into a temporary directory, starts each on a free
@@ -52,7 +53,19 @@ type scenario struct {
 	xff     bool   // send the clients as IPv4 addresses in X-Forwarded-For, trusted from loopback (both builds)
 	redis   bool
 	floor   bool // run B on the floor build (bench/floorcaddy), for quota_floor and redis_floor
+	// base is the rate_limit block A runs on the module's build, in place
+	// of bare Caddy: B against another configuration of the module.
+	base string
 }
+
+// The blocks of the 100,000-client scenarios: the memory store, the same
+// with one key for every client, and sync mode with the store's options
+// the defaults but sync itself.
+const (
+	oneKey100k = "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.method}\n\t}"
+	memory100k = "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"
+	sync100k   = "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\tsync 100ms\n\t\t}\n\t}"
+)
 
 var scenarios = []scenario{
 	// The floor: Caddy's own cost of one more handler in the route, which
@@ -67,8 +80,10 @@ var scenarios = []scenario{
 	{name: "refused, one client flooding", limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1\n\t}"},
 	// The floor of a refusal: the same 429 and headers, no decision.
 	{name: "floor: quota headers, refused", floor: true, limit: "quota_floor refuse"},
-	{name: "admitted, 100000 clients", clients: 100_000,
-		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t}"},
+	{name: "admitted, 100000 clients", clients: 100_000, limit: memory100k},
+	// What many keys cost over one, the traffic the same: A counts every
+	// request under one key (the method's), B under each client's.
+	{name: "100000 keys (B) against one key (A), 100000 clients", clients: 100_000, base: oneKey100k, limit: memory100k},
 	// The floor of any limiter that counts each client: a sharded Go map
 	// from the client to a counter, nothing else (bench/keysfloor).
 	{name: "floor: count per key, 100000 clients", clients: 100_000, floor: true, limit: "keys_floor"},
@@ -79,10 +94,10 @@ var scenarios = []scenario{
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline on\n\t\t}\n\t}"},
 	{name: "admitted, 100000 clients, Redis, pipeline off", clients: 100_000, redis: true,
 		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\ttimeout 1s\n\t\t\tpipeline off\n\t\t}\n\t}"},
-	// Sync mode: decisions in memory, the keys touched synced every 100ms.
-	// The store's options are the defaults but sync itself.
-	{name: "admitted, 100000 clients, Redis, sync 100ms", clients: 100_000, redis: true,
-		limit: "rate_limit {\n\t\tzone bench\n\t\tmax 1000000000\n\t\tmax_tracked 200000\n\t\tkey {http.request.header.X-Client}\n\t\tstore redis {\n\t\t\taddress $REDIS\n\t\t\tsync 100ms\n\t\t}\n\t}"},
+	// Sync mode: decisions in memory, the keys touched synced every 100ms;
+	// against bare Caddy, and against the memory store (A) in alternation.
+	{name: "admitted, 100000 clients, Redis, sync 100ms", clients: 100_000, redis: true, limit: sync100k},
+	{name: "sync 100ms (B) against the memory store (A), 100000 clients", clients: 100_000, redis: true, base: memory100k, limit: sync100k},
 	// The floor of any limiter that asks Redis once per request: the same
 	// round trip (EVALSHA, one key, the same client settings) running
 	// return 1, and no limiter.
@@ -132,7 +147,7 @@ func main() {
 	}
 	lua := filepath.Join(root, "bench", "clients.lua")
 
-	fmt.Printf("wrk -t1 -c%d -d%s on loopback, %d rounds alternating bare Caddy (A) and Caddy with rate_limit (B); medians\n\n", *conns, *duration, *rounds)
+	fmt.Printf("wrk -t1 -c%d -d%s on loopback, %d rounds alternating bare Caddy (A, unless a scenario names its A) and Caddy with rate_limit (B); medians\n\n", *conns, *duration, *rounds)
 	fmt.Println("| scenario | A req/s | B req/s | B/A req/s | A CPU µs/req | B CPU µs/req | A/B CPU | B/A req/s, paired | A/B CPU, paired | A p50/p99 ms | B p50/p99 ms | A peak RSS | B peak RSS | B non-2xx | load average, start / end |")
 	fmt.Println("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, sc := range scenarios {
@@ -152,6 +167,9 @@ func main() {
 					flushRedis(redisAddr)
 				}
 				bin, block := bare, ""
+				if sc.base != "" {
+					bin, block = with, sc.base
+				}
 				if side == "B" {
 					bin, block = with, strings.ReplaceAll(sc.limit, "$REDIS", redisAddr)
 					if sc.floor {
@@ -185,8 +203,12 @@ func main() {
 		fmt.Printf("| %s | %.0f | %.0f | %.2f | %.1f | %.1f | %.2f | %.2f | %.2f | %.2f / %.2f | %.2f / %.2f | %.1f MB | %.1f MB | %d | %s / %s |\n",
 			sc.name, ma.rps, mb.rps, mb.rps/ma.rps, ma.cpuPerReq, mb.cpuPerReq, ma.cpuPerReq/mb.cpuPerReq, median(rps), median(cpu),
 			ma.p50, ma.p99, mb.p50, mb.p99, ma.rssMB, mb.rssMB, mb.non2xx, load0, loadAverage())
-		if sc.clients > 0 && !sc.redis {
-			fmt.Printf("|  ↳ peak RSS over bare per client key | | | | | | | | | | | %.0f B/key | | | |\n", (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
+		if sc.clients > 0 {
+			over := "bare"
+			if sc.base != "" {
+				over = "A"
+			}
+			fmt.Printf("|  ↳ peak RSS over %s per client key | | | | | | | | | | | %.0f B/key | | | |\n", over, (mb.rssMB-ma.rssMB)*1e6/float64(sc.clients))
 		}
 	}
 }
