@@ -13,7 +13,8 @@
 // (bench/headerfloor) or the Redis round trip (bench/redisfloor): what
 // Caddy, net/http, the client and go-redis cost before any limiter decides
 // anything. A scenario that names its A runs it on the module's build
-// too: sync mode against the memory store.
+// too, in another configuration: 100,000 keys against one key, sync mode
+// against the memory store.
 //
 // It needs wrk and, for the Redis scenarios, redis-server on the PATH. It
 // builds the Caddys into a temporary directory, starts each on a free
@@ -171,11 +172,12 @@ func main() {
 					bin, block = with, sc.base
 				}
 				if side == "B" {
-					bin, block = with, strings.ReplaceAll(sc.limit, "$REDIS", redisAddr)
+					bin, block = with, sc.limit
 					if sc.floor {
 						bin = floor
 					}
 				}
+				block = strings.ReplaceAll(block, "$REDIS", redisAddr)
 				r := run(dir, bin, block, sc, lua, *conns, *duration, redisAddr)
 				if r.redis != "" {
 					log.Printf("%s, round %d, %s: redis-server %s", sc.name, round+1, side, r.redis)
