@@ -119,12 +119,13 @@ func (s *SyncStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 // whose tags (keys, or their hashes) are tags, with the counts they had not
 // sent.
 func (s *SyncStore) forgetSync(name string, tags []string) {
-	s.table.forget(func(e *syncEntry) bool {
-		tag := e.tag // set once a round has sent the key
-		if tag == "" {
-			tag = s.tag(e.key())
+	s.table.forget(func(sh *syncShard, e *syncEntry) bool {
+		if sh.slab.name(e) != name {
+			return false
 		}
-		return e.name() == name && slices.ContainsFunc(tags, func(t string) bool { return t == e.key() || t == tag })
+		key := sh.slab.key(e)
+		tag := s.tagOf(sh, e, key)
+		return slices.ContainsFunc(tags, func(t string) bool { return t == key || t == tag })
 	})
 }
 
@@ -196,7 +197,7 @@ type syncTable struct {
 	cap    atomic.Int64 // keys held at most (max_tracked), past one interval's new keys
 	// fifo holds the entries in the order they were added, for trim.
 	fifoMu sync.Mutex
-	fifo   []*syncEntry
+	fifo   []syncHold
 
 	fleet  atomic.Int64 // instances that synced recently, this one included
 	rank   atomic.Int64 // this one's rank among them by id, from 0
@@ -250,18 +251,29 @@ type SyncStats struct {
 // syncShard is one lock's share of the table.
 type syncShard struct {
 	mu     sync.Mutex
-	m      map[string]*syncEntry // by cacheKey(name, key)
-	dirty  []*syncEntry          // touched since the last round
-	leased []*syncEntry          // leased something at the last round
+	slab   syncSlab
+	dirty  []syncHold // touched since the last round
+	leased []syncHold // leased something at the last round
 }
 
-// syncEntry is one key of one limit. Times are Unix milliseconds. The
-// small fields come last, side by side: an entry takes 200 bytes, in the
-// 208-byte size class.
+// syncEntry is one key of one limit, in its shard's slab: no pointers
+// (syncSlab). Times are Unix milliseconds.
 type syncEntry struct {
-	ck     string    // its key in the shard's map: cacheKey(name, key)
-	tag    string    // the key's name in Redis (its hash with hash_keys), once a round has sent it
-	cal    *Calendar // the limit's calendar, if its windows follow one
+	syncWindow
+	num     uint32        // its number in the shard's slab
+	gen     atomic.Uint32 // one more each time it leaves the table (syncHold)
+	hash    uint32        // the high half of the key's hash (its place in the index)
+	ckLen   uint16        // the length of its key (cacheKey)
+	nameLen uint16        // the length of the limit's name in its key
+	shard   uint8         // its shard's number
+	live    bool          // in the table
+	// ck is its key, cacheKey(name, key), up to syncKeyInline bytes; a
+	// longer one is in the slab's map of long keys.
+	ck [syncKeyInline]byte
+}
+
+// syncWindow is what an entry knows of its key's windows.
+type syncWindow struct {
 	window int64
 	end    int64 // the end of the window counted in mine
 	max    int64 // the limit's Max at the last decision
@@ -288,25 +300,13 @@ type syncEntry struct {
 	banUntil int64 // Unix ns
 	// rounds is how many rounds have read the window.
 	rounds  int32
-	nameLen int32 // the length of the limit's name in ck
-	sliding bool  // the limit's window slides
+	cal     calendarRef // the limit's calendar, if its windows follow one
+	sliding bool        // the limit's window slides
 	// leased is true while the entry is in its shard's leased list.
 	leased     bool
 	refusedAny bool // a refusal in the window (FirstRefusal)
 	bans       bool // the limit bans: a round reads the ban
 	dirty      bool
-	gone       bool
-}
-
-// name returns the name of the entry's limit, a part of ck.
-func (e *syncEntry) name() string { return e.ck[:e.nameLen] }
-
-// key returns the entry's key, a part of ck (cacheKey).
-func (e *syncEntry) key() string {
-	if e.nameLen == 0 {
-		return e.ck
-	}
-	return e.ck[e.nameLen+1:]
 }
 
 // DefaultSyncTimeout returns the bound on each of a sync round's round
@@ -325,49 +325,50 @@ func newSyncTable(interval time.Duration, spend string, id string, maxTracked in
 	}
 	y := &syncTable{interval: interval, spend: spend, id: id, tripTimeout: tripTimeout, seed: maphash.MakeSeed(), ready: make(chan struct{})}
 	y.setReady = sync.OnceFunc(func() { close(y.ready) })
-	for i := range y.shards {
-		y.shards[i].m = make(map[string]*syncEntry)
-	}
 	y.cap.Store(int64(maxTracked))
 	y.fleet.Store(1)
 	return y
 }
 
-func (y *syncTable) shardOf(ck string) int {
-	return int(maphash.String(y.seed, ck) % syncShards)
+// hashOf returns the shard of key ck (cacheKey) and its hash in the
+// shard's index.
+func (y *syncTable) hashOf(ck string) (int, uint32) {
+	h := maphash.String(y.seed, ck)
+	return int(h % syncShards), uint32(h >> 32)
 }
 
 // entry returns the entry of c at ms (creating it), its window rolled to
-// the one in progress. The shard is locked.
-func (y *syncTable) entry(sh *syncShard, ck string, c *Check, ms int64) *syncEntry {
+// the one in progress. The shard (number i; h the key's hash in it) is
+// locked.
+func (y *syncTable) entry(i int, h uint32, ck string, c *Check, ms int64) *syncEntry {
+	sh := &y.shards[i]
 	w := c.Limit.Window.Milliseconds()
-	e := sh.m[ck]
+	e := sh.slab.find(h, ck)
 	end := (ms/w + 1) * w // aligned to the epoch, so every instance agrees
-	if cal := c.Limit.Calendar; cal != nil {
+	cal := refOf(c.Limit.Calendar)
+	if cal != 0 {
 		if e != nil && e.cal == cal && ms < e.end {
 			end = e.end // the window in progress: no calendar arithmetic per request
 		} else {
-			end = cal.End(ms*int64(time.Millisecond)) / int64(time.Millisecond)
+			end = c.Limit.Calendar.End(ms*int64(time.Millisecond)) / int64(time.Millisecond)
 		}
 	}
 	if e == nil {
-		// One copy of the key: the entry's name and key are parts of
-		// the map's (cacheKey).
-		ck = strings.Clone(ck)
-		e = &syncEntry{ck: ck, nameLen: int32(len(c.Name)), window: w, end: end}
-		sh.m[ck] = e
+		e = sh.slab.add(h, ck)
+		e.shard, e.nameLen, e.window, e.end = uint8(i), uint16(len(c.Name)), w, end
 		y.fifoMu.Lock()
-		y.fifo = append(y.fifo, e)
+		y.fifo = append(y.fifo, e.hold())
 		y.fifoMu.Unlock()
 		y.len.Add(1)
+		e.cal = cal
 		y.prior(e, &c.Limit, ms)
 	}
-	e.bans, e.max, e.sliding, e.cal = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding(), c.Limit.Calendar
+	e.bans, e.max, e.sliding, e.cal = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding(), cal
 	switch {
 	case e.window != w:
 		// A reload changed the window: windows of another length.
 		y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
-		*e = syncEntry{ck: e.ck, nameLen: e.nameLen, tag: e.tag, window: w, cal: e.cal, end: end, max: e.max, sliding: e.sliding,
+		e.syncWindow = syncWindow{window: w, cal: e.cal, end: end, max: e.max, sliding: e.sliding,
 			banUntil: e.banUntil, bans: e.bans, dirty: e.dirty}
 		y.prior(e, &c.Limit, ms)
 	case end > e.end:
@@ -405,24 +406,28 @@ func (y *syncTable) trim() {
 			y.fifoMu.Unlock()
 			return
 		}
-		e := y.fifo[0]
-		y.fifo[0] = nil
+		h := y.fifo[0]
+		y.fifo[0] = syncHold{}
 		y.fifo = y.fifo[1:]
 		y.fifoMu.Unlock()
-		sh := &y.shards[y.shardOf(e.ck)]
+		if !h.live() {
+			continue
+		}
+		// An entry's memory is its shard's for good: e.shard names the
+		// shard whatever key the entry holds now.
+		sh := &y.shards[h.e.shard]
 		sh.mu.Lock()
-		if !e.gone {
-			y.remove(sh, e)
-			y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
+		if h.live() {
+			y.drop(h.e.mine-h.e.sent, h.e.prevMine-h.e.prevSent)
+			y.remove(sh, h.e)
 		}
 		sh.mu.Unlock()
 	}
 }
 
-// remove takes e out of its shard.
+// remove takes e out of its shard: its holds go stale.
 func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
-	e.gone = true
-	delete(sh.m, e.ck)
+	sh.slab.remove(e)
 	y.len.Add(-1)
 }
 
@@ -465,20 +470,20 @@ func (e *syncEntry) prevHeld() int64 { return e.prevFleet + e.prevMine - e.prevS
 // weighs returns what the previous window's count weighs at ms in e's
 // window when it slides (Limit.sliding).
 func (e *syncEntry) weighs(ms int64) float64 {
-	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal}
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal.calendar()}
 	return l.sliding(e.prevHeld(), 0, e.end*int64(time.Millisecond), ms*int64(time.Millisecond))
 }
 
 // next returns the length of the window after the one ending at end (Unix
 // ms): the window, or the calendar's.
 func (e *syncEntry) next(end int64) int64 {
-	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal}
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal.calendar()}
 	return l.next(end*int64(time.Millisecond)) / int64(time.Millisecond)
 }
 
 // length returns the length of the window ending at end (Unix ms).
 func (e *syncEntry) length(end int64) int64 {
-	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal}
+	l := Limit{Window: time.Duration(e.window) * time.Millisecond, Calendar: e.cal.calendar()}
 	return l.length(end*int64(time.Millisecond)) / int64(time.Millisecond)
 }
 
@@ -486,7 +491,7 @@ func (e *syncEntry) length(end int64) int64 {
 func (sh *syncShard) touch(e *syncEntry) {
 	if !e.dirty {
 		e.dirty = true
-		sh.dirty = append(sh.dirty, e)
+		sh.dirty = append(sh.dirty, e.hold())
 	}
 }
 
@@ -524,10 +529,11 @@ func (s *SyncStore) decideTable(ctx context.Context, checks []Check, now time.Ti
 	t, ms := now.UnixNano(), now.UnixMilli()
 	// Lock each shard the checks touch once, in order.
 	var idx [MaxChecks]int
+	var hs [MaxChecks]uint32
 	var cks [MaxChecks]string
 	for i := range checks {
 		cks[i] = cacheKey(checks[i].Name, checks[i].Key)
-		idx[i] = y.shardOf(cks[i])
+		idx[i], hs[i] = y.hashOf(cks[i])
 	}
 	var order [MaxChecks]int
 	locked := order[:copy(order[:], idx[:len(checks)])]
@@ -545,7 +551,7 @@ func (s *SyncStore) decideTable(ctx context.Context, checks []Check, now time.Ti
 	admit := true
 	for i := range checks {
 		c := &checks[i]
-		e := y.entry(&y.shards[idx[i]], cks[i], c, ms)
+		e := y.entry(idx[i], hs[i], cks[i], c, ms)
 		es[i] = e
 		out[i] = y.verdict(e, c, t)
 		admit = admit && out[i].Allowed
@@ -639,13 +645,13 @@ func (e *syncEntry) free(weighs int64) int64 {
 	return e.max - weighs - (e.fleet + e.mine - e.sent) - e.held
 }
 
-// startBan bans e's key here at once for the limit's first ban, and queues
-// the violation for Redis, which escalates it and spreads it to the fleet
-// at the next round.
+// startBan bans c's key (of entry e) here at once for the limit's first
+// ban, and queues the violation for Redis, which escalates it and spreads
+// it to the fleet at the next round.
 func (y *syncTable) startBan(e *syncEntry, c *Check, t int64) {
 	e.banUntil = t + int64(c.Limit.Ban)
 	y.bansMu.Lock()
-	y.bans = append(y.bans, Check{Name: e.name(), Key: e.key(), Limit: c.Limit})
+	y.bans = append(y.bans, Check{Name: c.Name, Key: c.Key, Limit: c.Limit})
 	y.bansMu.Unlock()
 }
 
@@ -660,9 +666,10 @@ func (s *SyncStore) Refund(_ context.Context, checks []Check, _ time.Time, verdi
 		}
 		c := &checks[i]
 		ck := cacheKey(c.Name, c.Key)
-		sh := &y.shards[y.shardOf(ck)]
+		n, h := y.hashOf(ck)
+		sh := &y.shards[n]
 		sh.mu.Lock()
-		if e := sh.m[ck]; e != nil {
+		if e := sh.slab.find(h, ck); e != nil {
 			end := verdicts[i].Reset.UnixMilli()
 			switch end {
 			case e.end:
@@ -693,27 +700,30 @@ func (s *SyncStore) Ban(_ context.Context, c Check, now time.Time) (time.Time, e
 	s.markUsed()
 	y := s.table
 	ck := cacheKey(c.Name, c.Key)
-	sh := &y.shards[y.shardOf(ck)]
+	i, h := y.hashOf(ck)
+	sh := &y.shards[i]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	e := y.entry(sh, ck, &c, now.UnixMilli())
+	e := y.entry(i, h, ck, &c, now.UnixMilli())
 	y.startBan(e, &c, now.UnixNano())
 	sh.touch(e)
 	return time.Unix(0, e.banUntil), nil
 }
 
-// forget drops the entries match selects, with the counts they had not
-// sent: an unblocked key starts afresh everywhere, and no late count of
-// this instance brings it back.
-func (y *syncTable) forget(match func(e *syncEntry) bool) {
+// forget drops the entries match selects (match is given each entry's
+// shard, locked), with the counts they had not sent: an unblocked key
+// starts afresh everywhere, and no late count of this instance brings it
+// back.
+func (y *syncTable) forget(match func(sh *syncShard, e *syncEntry) bool) {
 	for i := range y.shards {
 		sh := &y.shards[i]
 		sh.mu.Lock()
-		for _, e := range sh.m {
-			if match(e) {
+		sh.slab.each(func(e *syncEntry) bool {
+			if match(sh, e) {
 				y.remove(sh, e)
 			}
-		}
+			return true
+		})
 		sh.mu.Unlock()
 	}
 }
@@ -722,7 +732,7 @@ func (y *syncTable) forget(match func(e *syncEntry) bool) {
 // nothing left to send (a previous count never sent is counted as
 // dropped), and the table's record of removed ones.
 func (y *syncTable) sweep(ms int64) {
-	y.forget(func(e *syncEntry) bool {
+	y.forget(func(_ *syncShard, e *syncEntry) bool {
 		if e.end+e.next(e.end) > ms || e.dirty || e.banUntil > ms*int64(time.Millisecond) {
 			return false
 		}
@@ -730,8 +740,14 @@ func (y *syncTable) sweep(ms int64) {
 		return true
 	})
 	y.fifoMu.Lock()
-	y.fifo = slices.DeleteFunc(y.fifo, func(e *syncEntry) bool { return e.gone })
+	y.fifo = slices.DeleteFunc(y.fifo, func(h syncHold) bool { return !h.live() })
 	y.fifoMu.Unlock()
+	for i := range y.shards {
+		sh := &y.shards[i]
+		sh.mu.Lock()
+		sh.slab.tidy()
+		sh.mu.Unlock()
+	}
 }
 
 // SyncStats implements Syncer.
@@ -754,4 +770,22 @@ func (y *syncTable) snapshot(now time.Time) SyncStats {
 		st.Lag = now.Sub(time.Unix(0, started))
 	}
 	return st
+}
+
+// tagOf returns the name in Redis of key, entry e's key: the key itself,
+// or its HMAC (hash_keys), which the shard's slab keeps once computed. The
+// shard sh is locked.
+func (s *SyncStore) tagOf(sh *syncShard, e *syncEntry, key string) string {
+	if s.hashKey == nil {
+		return key
+	}
+	if t, ok := sh.slab.tags[e.num]; ok {
+		return t
+	}
+	t := s.tag(key)
+	if sh.slab.tags == nil {
+		sh.slab.tags = make(map[uint32]string)
+	}
+	sh.slab.tags[e.num] = t
+	return t
 }

@@ -64,7 +64,7 @@ const (
 // syncItem is one key's part of a round: what it sends, and the entry that
 // takes what it reads.
 type syncItem struct {
-	e     *syncEntry
+	e     syncHold
 	shard int
 	key   string // the hash of the window's counts (…:g)
 	// end names the window mine counts, and window is the length of the
@@ -344,12 +344,12 @@ func (y *syncTable) collect(s *SyncStore, cur *syncCursor, buf []syncItem) []syn
 			cur.open, cur.left = true, len(sh.dirty)
 		}
 		n := min(cur.left, cap(items)-len(items))
-		for _, e := range sh.dirty[:n] {
-			e.dirty = false
-			if e.gone {
-				continue
+		for _, h := range sh.dirty[:n] {
+			if !h.live() {
+				continue // its memory may hold another key, with a hold of its own
 			}
-			items = append(items, y.itemOf(s, e, cur.shard, ms, cur.all))
+			h.e.dirty = false
+			items = append(items, y.itemOf(s, sh, h.e, cur.shard, ms, cur.all))
 		}
 		rest := copy(sh.dirty, sh.dirty[n:])
 		clear(sh.dirty[rest:])
@@ -375,15 +375,20 @@ func (y *syncTable) open(sh *syncShard, ms int64, all bool) {
 		// Every count Redis may read again: the running window's, the
 		// one before it, and the one that just ended (its entry rolls at
 		// its next request).
-		for _, e := range sh.m {
+		sh.slab.each(func(e *syncEntry) bool {
 			if e.end+e.next(e.end) > ms || e.prevMine != e.prevSent {
 				sh.touch(e)
 			}
-		}
+			return true
+		})
 	}
-	for _, e := range sh.leased {
+	for _, h := range sh.leased {
+		if !h.live() {
+			continue
+		}
+		e := h.e
 		e.leased = false
-		if !e.gone && e.end > ms && 2*(e.fleet+e.held+e.lease) >= e.max {
+		if e.end > ms && 2*(e.fleet+e.held+e.lease) >= e.max {
 			sh.touch(e)
 		}
 	}
@@ -391,14 +396,16 @@ func (y *syncTable) open(sh *syncShard, ms int64, all bool) {
 	sh.leased = sh.leased[:0]
 }
 
-// itemOf returns what entry e of shard i sends in a round at ms. The
-// shard is locked.
-func (y *syncTable) itemOf(s *SyncStore, e *syncEntry, i int, ms int64, all bool) syncItem {
-	if e.tag == "" {
-		e.tag = s.tag(e.key())
+// itemOf returns what entry e of shard sh (number i) sends in a round at
+// ms. The shard is locked.
+func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms int64, all bool) syncItem {
+	ck := sh.slab.ckOf(e)
+	name, key := ck[:e.nameLen], ck
+	if e.nameLen > 0 {
+		key = ck[e.nameLen+1:]
 	}
 	it := syncItem{
-		e: e, shard: i, key: s.keyOf(e.name(), e.tag, "g"),
+		e: e.hold(), shard: i, key: s.keyOf(name, s.tagOf(sh, e, key), "g"),
 		end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
 		refused: e.refused, bans: e.bans,
 		max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
@@ -427,9 +434,9 @@ func (y *syncTable) requeue(items []syncItem) {
 		it := &items[i]
 		sh := &y.shards[it.shard]
 		sh.mu.Lock()
-		if !it.e.gone {
-			it.e.refused += it.refused
-			sh.touch(it.e)
+		if it.e.live() {
+			it.e.e.refused += it.refused
+			sh.touch(it.e.e)
 		}
 		sh.mu.Unlock()
 	}
@@ -441,10 +448,10 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 	sh := &y.shards[it.shard]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	e := it.e
-	if e.gone {
+	if !it.e.live() {
 		return
 	}
+	e := it.e.e
 	total, prevTotal, ban, lease, spare, held := r[0], r[2], r[3], r[4], r[5], r[6] // r[1]: the instances counting the key
 	if ban > 0 {
 		e.banUntil = max(e.banUntil, start.Add(time.Duration(ban)*time.Millisecond).UnixNano())
@@ -507,7 +514,7 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 			e.leaseUntil = start.Add(y.leaseFor()).UnixNano()
 			if !e.leased {
 				e.leased = true
-				sh.leased = append(sh.leased, e)
+				sh.leased = append(sh.leased, e.hold())
 			}
 		}
 	case it.end + it.window:
@@ -538,9 +545,10 @@ func (y *syncTable) takeBans() []Check {
 // start).
 func (y *syncTable) banned(c *Check, start time.Time, ms int64) {
 	ck := cacheKey(c.Name, c.Key)
-	sh := &y.shards[y.shardOf(ck)]
+	i, h := y.hashOf(ck)
+	sh := &y.shards[i]
 	sh.mu.Lock()
-	if e := sh.m[ck]; e != nil {
+	if e := sh.slab.find(h, ck); e != nil {
 		e.banUntil = start.Add(time.Duration(ms) * time.Millisecond).UnixNano()
 	}
 	sh.mu.Unlock()

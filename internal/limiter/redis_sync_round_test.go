@@ -45,10 +45,10 @@ func TestSyncRoundTrips(t *testing.T) {
 	sent := map[*syncEntry]bool{}
 	take := func() {
 		for _, it := range y.collect(s, &cur, buf) {
-			if sent[it.e] {
-				t.Fatalf("%s collected twice in one round", it.e.key())
+			if sent[it.e.e] {
+				t.Fatalf("%s collected twice in one round", it.key)
 			}
-			sent[it.e] = true
+			sent[it.e.e] = true
 		}
 	}
 	take()
@@ -57,11 +57,12 @@ func TestSyncRoundTrips(t *testing.T) {
 	}
 	sh := &y.shards[cur.shard]
 	sh.mu.Lock()
-	for _, e := range sh.m {
+	sh.slab.each(func(e *syncEntry) bool {
 		if sent[e] {
 			sh.touch(e) // touched again after its trip
 		}
-	}
+		return true
+	})
 	sh.mu.Unlock()
 	for !cur.done() {
 		take()

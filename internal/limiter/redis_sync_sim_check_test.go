@@ -20,10 +20,11 @@ func (r *simRun) trace(in *simInstance, key, what string) {
 	}
 	y := in.s.table
 	ck := cacheKey("", key)
-	sh := &y.shards[y.shardOf(ck)]
+	i, h := y.hashOf(ck)
+	sh := &y.shards[i]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	e := sh.m[ck]
+	e := sh.slab.find(h, ck)
 	if e == nil {
 		fmt.Printf("%v inst %d: %s (no entry)\n", r.now, in.n, what)
 		return
@@ -189,14 +190,15 @@ func (r *simRun) checkMemory(in *simInstance) {
 	for i := range y.shards {
 		sh := &y.shards[i]
 		sh.mu.Lock()
-		for _, e := range sh.m {
+		sh.slab.each(func(e *syncEntry) bool {
 			held++
 			// Gone within a window and a sweep after its window ends
 			// (and a round, if it had counts to send).
-			if last, ok := in.lastReq[e.key()]; !ok || r.now-last > 2*simWindow+syncSweepEvery+simSync+2*simSkew {
-				r.fail("instance %d still holds %s, last served at %v", in.n, e.key(), last)
+			if last, ok := in.lastReq[sh.slab.key(e)]; !ok || r.now-last > 2*simWindow+syncSweepEvery+simSync+2*simSkew {
+				r.fail("instance %d still holds %s, last served at %v", in.n, sh.slab.key(e), last)
 			}
-		}
+			return true
+		})
 		sh.mu.Unlock()
 	}
 	if n := in.s.Len(); n != held {

@@ -144,15 +144,16 @@ func listeningSync(t testing.TB, s *SyncStore) {
 	const probe = "listening-probe"
 	y := s.table
 	ck := cacheKey("", probe)
-	sh := &y.shards[y.shardOf(ck)]
+	i, h := y.hashOf(ck)
+	sh := &y.shards[i]
 	held := func() bool {
 		sh.mu.Lock()
 		defer sh.mu.Unlock()
-		return sh.m[ck] != nil
+		return sh.slab.find(h, ck) != nil
 	}
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
 		sh.mu.Lock()
-		y.entry(sh, ck, &Check{Key: probe, Limit: Limit{Window: time.Minute, Max: 1}}, time.Now().UnixMilli())
+		y.entry(i, h, ck, &Check{Key: probe, Limit: Limit{Window: time.Minute, Max: 1}}, time.Now().UnixMilli())
 		sh.mu.Unlock()
 		s.client.Publish(context.Background(), s.unblockChannel(), "\x00"+probe)
 		for wait := time.Now().Add(100 * time.Millisecond); time.Now().Before(wait); time.Sleep(5 * time.Millisecond) {
