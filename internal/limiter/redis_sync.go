@@ -263,8 +263,8 @@ type syncEntry struct {
 	num     uint32        // its number in the shard's slab
 	gen     atomic.Uint32 // one more each time it leaves the table (syncHold)
 	hash    uint32        // the high half of the key's hash (its place in the index)
-	ckLen   uint16        // the length of its key (cacheKey)
-	nameLen uint16        // the length of the limit's name in its key
+	ckLen   uint32        // the length of its key (cacheKey)
+	nameLen uint32        // the length of the limit's name in its key
 	shard   uint8         // its shard's number
 	live    bool          // in the table
 	// ck is its key, cacheKey(name, key), up to syncKeyInline bytes; a
@@ -355,7 +355,7 @@ func (y *syncTable) entry(i int, h uint32, ck string, c *Check, ms int64) *syncE
 	}
 	if e == nil {
 		e = sh.slab.add(h, ck)
-		e.shard, e.nameLen, e.window, e.end = uint8(i), uint16(len(c.Name)), w, end
+		e.shard, e.nameLen, e.window, e.end = uint8(i), uint32(len(c.Name)), w, end
 		y.fifoMu.Lock()
 		y.fifo = append(y.fifo, e.hold())
 		y.fifoMu.Unlock()

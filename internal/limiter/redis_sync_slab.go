@@ -115,7 +115,7 @@ func (sl *syncSlab) add(h uint32, ck string) *syncEntry {
 		e.gen.Store(1) // a hold of generation 0 is of no entry
 		sl.n++
 	}
-	e.hash, e.ckLen, e.live = h, uint16(len(ck)), true
+	e.hash, e.ckLen, e.live = h, uint32(len(ck)), true
 	if len(ck) > syncKeyInline {
 		if sl.long == nil {
 			sl.long = make(map[uint32]string)
