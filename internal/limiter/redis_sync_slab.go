@@ -3,6 +3,7 @@ package limiter
 import (
 	"math/bits"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -49,7 +50,8 @@ type syncSlab struct {
 	n      uint32        // entries handed out of the chunks, the removed ones too
 	free   []uint32      // the numbers of removed entries, to reuse
 	// index holds, for each entry in the table, its hash in the high
-	// half and its number + 1 in the low; 0 is a free slot.
+	// half and its number + 1 in the low; 0 is a free slot, syncDeleted
+	// one whose entry was removed.
 	index      []uint64
 	indexMem   *arena
 	live, used int               // entries in the table; index slots not free
@@ -120,7 +122,7 @@ func (sl *syncSlab) add(h uint32, ck string) *syncEntry {
 		if sl.long == nil {
 			sl.long = make(map[uint32]string)
 		}
-		sl.long[e.num] = ck
+		sl.long[e.num] = strings.Clone(ck) // not a part of a larger string the request holds
 	} else {
 		copy(e.ck[:], ck)
 	}
