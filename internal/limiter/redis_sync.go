@@ -120,10 +120,10 @@ func (s *SyncStore) ForgetCheck(ctx context.Context, c Check) (bool, error) {
 // sent.
 func (s *SyncStore) forgetSync(name string, tags []string) {
 	s.table.forget(func(sh *syncShard, e *syncEntry) bool {
-		if sh.slab.name(e) != name {
+		limit, key := sh.slab.parts(e)
+		if limit != name {
 			return false
 		}
-		key := sh.slab.key(e)
 		tag := s.tagOf(sh, e, key)
 		return slices.ContainsFunc(tags, func(t string) bool { return t == key || t == tag })
 	})
@@ -360,7 +360,6 @@ func (y *syncTable) entry(i int, h uint32, ck string, c *Check, ms int64) *syncE
 		y.fifo = append(y.fifo, e.hold())
 		y.fifoMu.Unlock()
 		y.len.Add(1)
-		e.cal = cal
 		y.prior(e, &c.Limit, ms)
 	}
 	e.bans, e.max, e.sliding, e.cal = c.Limit.Ban > 0, int64(c.Limit.Max), c.Limit.Sliding(), cal
@@ -713,7 +712,8 @@ func (s *SyncStore) Ban(_ context.Context, c Check, now time.Time) (time.Time, e
 // forget drops the entries match selects (match is given each entry's
 // shard, locked), with the counts they had not sent: an unblocked key
 // starts afresh everywhere, and no late count of this instance brings it
-// back.
+// back. Each shard's index shrinks after, if it has far more room than
+// entries left.
 func (y *syncTable) forget(match func(sh *syncShard, e *syncEntry) bool) {
 	for i := range y.shards {
 		sh := &y.shards[i]
@@ -724,6 +724,7 @@ func (y *syncTable) forget(match func(sh *syncShard, e *syncEntry) bool) {
 			}
 			return true
 		})
+		sh.slab.tidy()
 		sh.mu.Unlock()
 	}
 }
@@ -742,12 +743,6 @@ func (y *syncTable) sweep(ms int64) {
 	y.fifoMu.Lock()
 	y.fifo = slices.DeleteFunc(y.fifo, func(h syncHold) bool { return !h.live() })
 	y.fifoMu.Unlock()
-	for i := range y.shards {
-		sh := &y.shards[i]
-		sh.mu.Lock()
-		sh.slab.tidy()
-		sh.mu.Unlock()
-	}
 }
 
 // SyncStats implements Syncer.

@@ -399,11 +399,7 @@ func (y *syncTable) open(sh *syncShard, ms int64, all bool) {
 // itemOf returns what entry e of shard sh (number i) sends in a round at
 // ms. The shard is locked.
 func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms int64, all bool) syncItem {
-	ck := sh.slab.ckOf(e)
-	name, key := ck[:e.nameLen], ck
-	if e.nameLen > 0 {
-		key = ck[e.nameLen+1:]
-	}
+	name, key := sh.slab.parts(e)
 	it := syncItem{
 		e: e.hold(), shard: i, key: s.keyOf(name, s.tagOf(sh, e, key), "g"),
 		end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,

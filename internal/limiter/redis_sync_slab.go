@@ -222,16 +222,20 @@ func (sl *syncSlab) ckOf(e *syncEntry) string {
 	return string(e.ck[:e.ckLen])
 }
 
-// name returns the name of e's limit.
-func (sl *syncSlab) name(e *syncEntry) string { return sl.ckOf(e)[:e.nameLen] }
+// parts returns the name of e's limit and e's key, the two parts of its
+// cacheKey, from one copy of it.
+func (sl *syncSlab) parts(e *syncEntry) (name, key string) {
+	ck := sl.ckOf(e)
+	if e.nameLen == 0 {
+		return "", ck
+	}
+	return ck[:e.nameLen], ck[e.nameLen+1:]
+}
 
 // key returns e's key.
 func (sl *syncSlab) key(e *syncEntry) string {
-	ck := sl.ckOf(e)
-	if e.nameLen == 0 {
-		return ck
-	}
-	return ck[e.nameLen+1:]
+	_, key := sl.parts(e)
+	return key
 }
 
 // calendarRef names a calendar of calendars (0: none), so that an entry

@@ -30,7 +30,7 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	if got := sl.key(b); got != long[4:] {
 		t.Errorf("long key: %q, want %q", got, long[4:])
 	}
-	if got := sl.name(b); got != "lim" {
+	if got, _ := sl.parts(b); got != "lim" {
 		t.Errorf("long key's limit: %q, want lim", got)
 	}
 	if find("10.0.0.1") != a || find(long) != b || find("10.0.0.3") != c || find("10.0.0.2") != nil {
