@@ -128,15 +128,19 @@ local function put(k, field, fresh, exp, ge)
 	end
 end
 
+-- other returns the name of the key beside g (…g) that ends in letter,
+-- built only when a key needs it: most rounds of a fixed window need g
+-- alone.
+local function other(g, letter)
+	return string.sub(g, 1, -2) .. letter
+end
+
 local out, nums = {}, cjson.decode(ARGV[8])
 if #nums ~= 12 * #KEYS then
 	return redis.error_reply('ERR sync: ' .. #nums .. ' numbers for ' .. #KEYS .. ' keys, want 12 each')
 end
 for i = 1, #KEYS do
 	local g = KEYS[i]
-	-- The other keys' names are built when a key needs them: most rounds
-	-- of a fixed window need only g.
-	local base = string.sub(g, 1, -2)
 	local j = 12 * (i - 1)
 	local e, w, mine, prev, refused, bans = nums[j + 1], nums[j + 2], nums[j + 3], nums[j + 4], nums[j + 5], nums[j + 6] == 1
 	local max, want, pace, known, waiting, weighs = nums[j + 7], nums[j + 8], nums[j + 9], nums[j + 10] == 1, nums[j + 11] == 1, nums[j + 12]
@@ -152,17 +156,17 @@ for i = 1, #KEYS do
 	elseif not ge or 2 * (ge + w - now) > 5 * w then
 		-- Not this script's, or written under a longer window (a reload
 		-- shortened it): the counts start afresh.
-		redis.call('DEL', g, base .. 'o')
+		redis.call('DEL', g, other(g, 'o'))
 		fresh = true
 	else
 		at = math.floor((ge - e) / w + 0.5)
 		if at == -1 then
 			-- g becomes the previous window's, and expires as it should,
 			-- when the instance's window ends.
-			redis.call('RENAME', g, base .. 'o')
+			redis.call('RENAME', g, other(g, 'o'))
 			at, fresh = 0, true
 		elseif at < -1 then
-			redis.call('DEL', g, base .. 'o') -- an older window
+			redis.call('DEL', g, other(g, 'o')) -- an older window
 			at, fresh = 0, true
 		end
 	end
@@ -195,19 +199,19 @@ for i = 1, #KEYS do
 		end
 		put(g, mine .. '/' .. (lease + extra) .. '/' .. ends, fresh, e + w, e)
 		if prev >= 0 and e > now then
-			local o = base .. 'o'
+			local o = other(g, 'o')
 			local pall = counts(o)
 			local _, others = tally(pall, false)
 			ptotal = others + prev
 			put(o, prev, #pall == 0, e)
 		elseif weighs >= 0 then
-			local _, whole = tally(counts(base .. 'o'), true)
+			local _, whole = tally(counts(other(g, 'o')), true)
 			ptotal = whole
 		end
 	elseif at == 1 then
 		-- Redis counts the next window already: the instance's is the
 		-- previous one (a count for the one before that is dropped).
-		local o = base .. 'o'
+		local o = other(g, 'o')
 		local pall = counts(o)
 		local _, others, _, m = tally(pall, false)
 		total = others + mine
@@ -215,7 +219,7 @@ for i = 1, #KEYS do
 		n = m + 1
 	end
 	if total >= 0 and refused > 0 then
-		local r = base .. 'r'
+		local r = other(g, 'r')
 		if type(redis.pcall('INCRBY', r, refused)) == 'table' then
 			redis.call('SET', r, refused)
 		end
@@ -223,7 +227,7 @@ for i = 1, #KEYS do
 	end
 	local ban = 0
 	if bans then
-		ban = math.max(redis.call('PTTL', base .. 'b'), 0)
+		ban = math.max(redis.call('PTTL', other(g, 'b')), 0)
 	end
 	local o = #out
 	out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6], out[o + 7] = total, n, ptotal, ban, lease, extra, held
