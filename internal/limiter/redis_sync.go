@@ -133,8 +133,9 @@ func (s *SyncStore) forgetSync(name string, tags []string) {
 // probe key, through the client the rounds use.
 func (s *SyncStore) probeOnce(ctx context.Context) error {
 	ms := s.clock.Now().UnixMilli()
+	probe := syncItem{end: (ms/1000 + 1) * 1000, window: 1000, prev: -1, max: 1 << 30, weighs: -1}
 	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "g")},
-		ms, s.table.id, ms, 0, 1, 0, 0, fmt.Sprintf("[%d,1000,0,-1,0,0,%d,0,0,0,0,-1]", (ms/1000+1)*1000, 1<<30)).Err()
+		ms, s.table.id, ms, 0, 1, 0, 0, probe.appendNums(nil)).Err()
 }
 
 // fleetCount returns the fleet's count a hash of sync mode's counts holds

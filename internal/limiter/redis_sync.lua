@@ -41,19 +41,19 @@
 -- keys end in another letter instead of g, under the same hash tag, so in
 -- the same Cluster slot: o the counts of the window before, r the refused
 -- tally, b the ban. ARGV[8]
--- holds every key's 12 numbers, in the order of KEYS, in one JSON array
--- (one argument for the batch, decoded in one call, not one string per
--- number): the end of the instance's
--- window (Unix ms), the length of the window after it (ms: a calendar's
--- windows vary), the instance's count of it, its count
--- of the previous window (-1: not sent), refusals to add to the tally, 1 to
--- read the ban, max, the units the instance asks to lease, the most it
--- asks while learning (twice what it spent since its last round: its pace,
--- not more), 1 when the instance wrote its count of the window before (if
+-- holds every key's numbers, in the order of KEYS, in one binary argument
+-- (unpacked, not parsed: syncNums in redis_sync_round.go), 73 bytes a key:
+-- nine little-endian 64-bit integers and a byte of flags. The integers:
+-- the end of the instance's window (Unix ms), the length of the window
+-- after it (ms: a calendar's windows vary), the instance's count of it,
+-- its count of the previous window (-1: not sent), refusals to add to the
+-- tally, max, the units the instance asks to lease, the most it asks
+-- while learning (twice what it spent since its last round: its pace,
+-- not more), and the units the previous window weighs (-1: a fixed
+-- window, whose previous count is not read). The flags: 1 to read the
+-- ban, 2 when the instance wrote its count of the window before (if
 -- Redis has it no more, Redis lost its state: the round leases as while
--- learning), 1 for the instance's first two rounds of the window, and the
--- units the previous window weighs (-1: a fixed window, whose previous
--- count is not read).
+-- learning), 4 for the instance's first two rounds of the window.
 -- Returns 7 values per key: the fleet's count of the window (-1: dropped,
 -- the window has ended in Redis), how many instances counted in it, the
 -- fleet's count of the previous window, the milliseconds left of the key's
@@ -135,15 +135,40 @@ local function other(g, letter)
 	return string.sub(g, 1, -2) .. letter
 end
 
-local out, nums = {}, cjson.decode(ARGV[8])
-if #nums ~= 12 * #KEYS then
-	return redis.error_reply('ERR sync: ' .. #nums .. ' numbers for ' .. #KEYS .. ' keys, want 12 each')
+-- unpack reads a key's numbers from ARGV[8] at pos: Redis's struct.unpack
+-- with the layout above, or, where Lua has no struct library (miniredis,
+-- which the fleet simulator runs this script on), the same read byte by
+-- byte. Both return the nine integers, the flags and the next key's pos.
+local layout = '<i8i8i8i8i8i8i8i8i8B'
+local struct = rawget(_G, 'struct') -- nil without the library: no error
+local unpack = struct and struct.unpack or function(_, s, pos)
+	local v = {}
+	for k = 1, 9 do
+		local b1, b2, b3, b4, b5, b6, b7, b8 = string.byte(s, pos, pos + 7)
+		if b8 >= 128 then
+			b8 = b8 - 256 -- the sign
+		end
+		v[k] = b1 + 256 * (b2 + 256 * (b3 + 256 * (b4 + 256 * (b5 + 256 * (b6 + 256 * (b7 + 256 * b8))))))
+		pos = pos + 8
+	end
+	return v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], string.byte(s, pos), pos + 1
+end
+
+-- flag reports whether bit (1, 2, 4) is set in flags, with arithmetic
+-- alone: miniredis's Lua has no bit library either.
+local function flag(flags, bit)
+	return math.floor(flags / bit) % 2 == 1
+end
+
+local out, nums, pos = {}, ARGV[8], 1
+if #nums ~= 73 * #KEYS then
+	return redis.error_reply('ERR sync: ' .. #nums .. ' bytes of numbers for ' .. #KEYS .. ' keys, want 73 each')
 end
 for i = 1, #KEYS do
 	local g = KEYS[i]
-	local j = 12 * (i - 1)
-	local e, w, mine, prev, refused, bans = nums[j + 1], nums[j + 2], nums[j + 3], nums[j + 4], nums[j + 5], nums[j + 6] == 1
-	local max, want, pace, known, waiting, weighs = nums[j + 7], nums[j + 8], nums[j + 9], nums[j + 10] == 1, nums[j + 11] == 1, nums[j + 12]
+	local e, w, mine, prev, refused, max, want, pace, weighs, flags
+	e, w, mine, prev, refused, max, want, pace, weighs, flags, pos = unpack(layout, nums, pos)
+	local bans, known, waiting = flag(flags, 1), flag(flags, 2), flag(flags, 4)
 	-- at is the window g counts, from the instance's: 0 the same (or none
 	-- yet), -1 the one before, 1 the one after. g expires a window after
 	-- its window ends.

@@ -4,10 +4,10 @@ import (
 	"context"
 	"crypto/rand"
 	_ "embed"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
-	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -247,9 +247,9 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 const syncReplies = 7
 
 // syncCmd queues the script call of one batch on pipe: each key's count
-// key, and every key's numbers in one argument, a JSON array that the
-// script decodes in one call (see redis_sync.lua). Its
-// reply, 7 integers per key, is read into one []int64.
+// key, and every key's numbers in one argument (syncNums), which the
+// script unpacks without parsing text (see redis_sync.lua). Its reply, 7
+// integers per key, is read into one []int64.
 func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.IntSliceCmd {
 	y := s.table
 	args := make([]any, 0, 3+len(b)+8)
@@ -259,20 +259,43 @@ func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncI
 	}
 	args = append(args, ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare),
 		y.fleet.Load(), y.rank.Load(), flag(y.learning(ms)))
-	nums := append(make([]byte, 0, 2+48*len(b)), '[')
+	nums := make([]byte, 0, syncNumsSize*len(b))
 	for i := range b {
-		it := &b[i]
-		for _, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, int64(flag(it.bans)), it.max, it.want, it.pace, int64(flag(it.known)), int64(flag(it.waiting)), it.weighs} {
-			if len(nums) > 1 {
-				nums = append(nums, ',')
-			}
-			nums = strconv.AppendInt(nums, n, 10)
-		}
+		nums = b[i].appendNums(nums)
 	}
-	nums = append(nums, ']')
 	cmd := redis.NewIntSliceCmd(ctx, append(args, nums)...)
 	_ = pipe.Process(ctx, cmd) // a pipeline only queues: Exec reports
 	return cmd
+}
+
+// syncNumsSize is how many bytes of the script's last argument one key
+// takes: 9 little-endian 64-bit integers and a byte of flags, the layout
+// redis_sync.lua unpacks with struct.unpack('<i8i8i8i8i8i8i8i8i8B').
+const syncNumsSize = 9*8 + 1
+
+// The bits of a key's flags byte.
+const (
+	syncFlagBans    = 1 << iota // read the ban
+	syncFlagKnown               // a round wrote the window before
+	syncFlagWaiting             // the instance's first two rounds of the window
+)
+
+// appendNums appends the item's numbers to the script's last argument.
+func (it *syncItem) appendNums(b []byte) []byte {
+	for _, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, it.max, it.want, it.pace, it.weighs} {
+		b = binary.LittleEndian.AppendUint64(b, uint64(n))
+	}
+	var f byte
+	if it.bans {
+		f |= syncFlagBans
+	}
+	if it.known {
+		f |= syncFlagKnown
+	}
+	if it.waiting {
+		f |= syncFlagWaiting
+	}
+	return append(b, f)
 }
 
 // flag is a script's boolean argument.
