@@ -42,7 +42,7 @@
 -- the same Cluster slot: o the counts of the window before, r the refused
 -- tally, b the ban. ARGV[8]
 -- holds every key's numbers, in the order of KEYS, in one binary argument
--- (unpacked, not parsed: syncNums in redis_sync_round.go), 73 bytes a key:
+-- (unpacked, not parsed: appendNums in redis_sync_round.go), 73 bytes a key:
 -- nine little-endian 64-bit integers and a byte of flags. The integers:
 -- the end of the instance's window (Unix ms), the length of the window
 -- after it (ms: a calendar's windows vary), the instance's count of it,

@@ -247,7 +247,7 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 const syncReplies = 7
 
 // syncCmd queues the script call of one batch on pipe: each key's count
-// key, and every key's numbers in one argument (syncNums), which the
+// key, and every key's numbers in one argument (appendNums), which the
 // script unpacks without parsing text (see redis_sync.lua). Its reply, 7
 // integers per key, is read into one []int64.
 func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.IntSliceCmd {
