@@ -253,8 +253,8 @@ type SyncStats struct {
 type syncShard struct {
 	mu     sync.Mutex
 	slab   syncSlab
-	dirty  []syncHold // touched since the last round
-	leased []syncHold // leased something at the last round
+	dirty  []syncRef // touched since the last round
+	leased []syncRef // leased something at the last round
 }
 
 // syncEntry is one key of one limit, in its shard's slab: no pointers
@@ -262,7 +262,7 @@ type syncShard struct {
 type syncEntry struct {
 	syncWindow
 	num     uint32        // its number in the shard's slab
-	gen     atomic.Uint32 // one more each time it leaves the table (syncHold)
+	gen     atomic.Uint32 // one more each time it leaves the table (syncHold, syncRef)
 	hash    uint32        // the high half of the key's hash (its place in the index)
 	ckLen   uint32        // the length of its key (cacheKey)
 	nameLen uint32        // the length of the limit's name in its key
@@ -491,7 +491,7 @@ func (e *syncEntry) length(end int64) int64 {
 func (sh *syncShard) touch(e *syncEntry) {
 	if !e.dirty {
 		e.dirty = true
-		sh.dirty = append(sh.dirty, e.hold())
+		sh.dirty = append(sh.dirty, e.ref())
 	}
 }
 

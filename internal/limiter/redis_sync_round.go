@@ -367,12 +367,13 @@ func (y *syncTable) collect(s *SyncStore, cur *syncCursor, buf []syncItem) []syn
 			cur.open, cur.left = true, len(sh.dirty)
 		}
 		n := min(cur.left, cap(items)-len(items))
-		for _, h := range sh.dirty[:n] {
-			if !h.live() {
-				continue // its memory may hold another key, with a hold of its own
+		for _, r := range sh.dirty[:n] {
+			e, ok := sh.slab.held(r)
+			if !ok {
+				continue // its memory may hold another key, with a reference of its own
 			}
-			h.e.dirty = false
-			items = append(items, y.itemOf(s, sh, h.e, cur.shard, ms, cur.all))
+			e.dirty = false
+			items = append(items, y.itemOf(s, sh, e, cur.shard, ms, cur.all))
 		}
 		rest := copy(sh.dirty, sh.dirty[n:])
 		clear(sh.dirty[rest:])
@@ -405,11 +406,11 @@ func (y *syncTable) open(sh *syncShard, ms int64, all bool) {
 			return true
 		})
 	}
-	for _, h := range sh.leased {
-		if !h.live() {
+	for _, r := range sh.leased {
+		e, ok := sh.slab.held(r)
+		if !ok {
 			continue
 		}
-		e := h.e
 		e.leased = false
 		if e.end > ms && 2*(e.fleet+e.held+e.lease) >= e.max {
 			sh.touch(e)
@@ -533,7 +534,7 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 			e.leaseUntil = start.Add(y.leaseFor()).UnixNano()
 			if !e.leased {
 				e.leased = true
-				sh.leased = append(sh.leased, e.hold())
+				sh.leased = append(sh.leased, e.ref())
 			}
 		}
 	case it.end + it.window:

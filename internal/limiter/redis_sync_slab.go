@@ -26,8 +26,8 @@ const (
 	syncDeleted = ^uint64(0)
 )
 
-// syncHold names an entry past the shard's lock (in a list, a round's
-// items): the entry as it was when held, which the entry's removal makes
+// syncHold names an entry past the shard's lock (in the table's fifo, a
+// round's items): the entry as it was when held, which the entry's removal makes
 // stale, even once its memory holds another key.
 type syncHold struct {
 	e   *syncEntry
@@ -41,6 +41,23 @@ func (e *syncEntry) hold() syncHold { return syncHold{e, e.gen.Load()} }
 // the entry's generation only, atomically, so it needs no lock (trim and
 // sweep look at holds of every shard).
 func (h syncHold) live() bool { return h.e.gen.Load() == h.gen }
+
+// syncRef names an entry of one shard's slab in the shard's own lists
+// (touched, leased), which are read under the shard's lock only: its
+// number and its generation, half the size of a syncHold.
+type syncRef struct {
+	num, gen uint32
+}
+
+// ref returns a reference to e, an entry of sl.
+func (e *syncEntry) ref() syncRef { return syncRef{e.num, e.gen.Load()} }
+
+// held returns the entry r names, and whether it is still that entry: its
+// memory may hold another key since. The shard is locked.
+func (sl *syncSlab) held(r syncRef) (*syncEntry, bool) {
+	e := sl.at(r.num)
+	return e, e.gen.Load() == r.gen
+}
 
 // syncSlab is one shard's entries and their index. The shard's lock
 // guards it.
