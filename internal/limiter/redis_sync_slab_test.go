@@ -7,8 +7,8 @@ import (
 	"time"
 )
 
-// An entry removed from a shard's slab leaves its holds stale and its
-// memory to the next key added, which a stale hold never reads as its
+// An entry removed from a shard's slab leaves its holds and references
+// stale and its memory to the next key added, which neither reads as its
 // own; keys too long to be kept inline, and a limit's name, come back
 // whole.
 func TestSyncSlabReusesEntries(t *testing.T) {
@@ -27,6 +27,10 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	b.nameLen = 3
 	a.mine = 5
 	ha, hb := a.hold(), b.hold()
+	ra := a.ref()
+	if e, ok := sl.held(ra); e != a || !ok {
+		t.Error("a reference does not name its entry")
+	}
 	if got := sl.key(b); got != long[4:] {
 		t.Errorf("long key: %q, want %q", got, long[4:])
 	}
@@ -41,6 +45,9 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	sl.remove(b)
 	if ha.live() || hb.live() {
 		t.Error("a hold of a removed entry is live")
+	}
+	if _, ok := sl.held(ra); ok {
+		t.Error("a reference to a removed entry names it")
 	}
 	if find("10.0.0.1") != nil || find(long) != nil {
 		t.Error("a removed key is found")
@@ -57,6 +64,12 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	}
 	if ha.live() || hb.live() {
 		t.Error("a stale hold reads the entry's new key as its own")
+	}
+	if _, ok := sl.held(ra); ok {
+		t.Error("a stale reference reads the entry's new key as its own")
+	}
+	if e, ok := sl.held(d.ref()); e != d || !ok {
+		t.Error("a reference to the new key does not name it")
 	}
 	if !d.hold().live() || find("10.0.0.4") != d || find("10.0.0.3") != c {
 		t.Error("the entries in the table are not found after a reuse")
