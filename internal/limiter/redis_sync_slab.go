@@ -27,8 +27,8 @@ const (
 )
 
 // syncHold names an entry past the shard's lock (in the table's fifo, a
-// round's items): the entry as it was when held, which the entry's removal makes
-// stale, even once its memory holds another key.
+// round's items): the entry as it was when held, which the entry's
+// removal makes stale, even once its memory holds another key.
 type syncHold struct {
 	e   *syncEntry
 	gen uint32
@@ -49,7 +49,7 @@ type syncRef struct {
 	num, gen uint32
 }
 
-// ref returns a reference to e, an entry of sl.
+// ref returns a reference to e, for its own shard's lists.
 func (e *syncEntry) ref() syncRef { return syncRef{e.num, e.gen.Load()} }
 
 // held returns the entry r names, and whether it is still that entry: its
