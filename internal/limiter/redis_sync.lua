@@ -54,12 +54,13 @@
 -- ban, 2 when the instance wrote its count of the window before (if
 -- Redis has it no more, Redis lost its state: the round leases as while
 -- learning), 4 for the instance's first two rounds of the window.
--- Returns 7 values per key: the fleet's count of the window (-1: dropped,
--- the window has ended in Redis), how many instances counted in it, the
--- fleet's count of the previous window, the milliseconds left of the key's
--- ban (0: none), the units leased to the instance, its spare share (none
--- when it asked for nothing: it gives its lease back), and what the other
--- instances' live leases hold (spend share).
+-- Returns one binary string, 48 bytes a key in the order of KEYS (packed,
+-- not formatted: appendReplies below): six little-endian 64-bit integers,
+-- the fleet's count of the window (-1: dropped, the window has ended in
+-- Redis), the fleet's count of the previous window, the milliseconds left
+-- of the key's ban (0: none), the units leased to the instance, its spare
+-- share (none when it asked for nothing: it gives its lease back), and
+-- what the other instances' live leases hold (spend share).
 local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4] == '1' -- ends is only written: it stays a string
 local fleet, rank, learning = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
 
@@ -154,6 +155,30 @@ local unpack = struct and struct.unpack or function(_, s, pos)
 	return v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], string.byte(s, pos), pos + 1
 end
 
+-- pack writes a key's six replies as Redis's struct.pack does with the
+-- reply's layout, or, without the library, byte by byte (a negative number
+-- as its two's complement: the bytes of -v - 1, each inverted).
+local replyLayout = '<i8i8i8i8i8i8'
+local pack = struct and struct.pack or function(_, ...)
+	local s = ''
+	for k = 1, select('#', ...) do
+		local v = select(k, ...)
+		local neg = v < 0
+		if neg then
+			v = -v - 1
+		end
+		for _ = 1, 8 do
+			local b = v % 256
+			v = math.floor(v / 256)
+			if neg then
+				b = 255 - b
+			end
+			s = s .. string.char(b)
+		end
+	end
+	return s
+end
+
 -- flag reports whether bit (1, 2, 4) is set in flags, with arithmetic
 -- alone: miniredis's Lua has no bit library either.
 local function flag(flags, bit)
@@ -238,10 +263,9 @@ for i = 1, #KEYS do
 		-- previous one (a count for the one before that is dropped).
 		local o = other(g, 'o')
 		local pall = counts(o)
-		local _, others, _, m = tally(pall, false)
+		local _, others = tally(pall, false)
 		total = others + mine
 		put(o, mine, #pall == 0, e + w)
-		n = m + 1
 	end
 	if total >= 0 and refused > 0 then
 		local r = other(g, 'r')
@@ -254,7 +278,6 @@ for i = 1, #KEYS do
 	if bans then
 		ban = math.max(redis.call('PTTL', other(g, 'b')), 0)
 	end
-	local o = #out
-	out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6], out[o + 7] = total, n, ptotal, ban, lease, extra, held
+	out[i] = pack(replyLayout, total, ptotal, ban, lease, extra, held)
 end
-return out
+return table.concat(out)

@@ -184,7 +184,7 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 			c.Limit.Ban.Milliseconds(), c.Limit.BanMax.Milliseconds())
 	}
 	batches := y.batches(s, items)
-	cmds := make([]*redis.IntSliceCmd, len(batches))
+	cmds := make([]*redis.StringCmd, len(batches))
 	for i, b := range batches {
 		cmds[i] = s.syncCmd(tctx, pipe, b, ms)
 	}
@@ -221,8 +221,8 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 	}
 	for i, b := range batches {
 		res, cerr := cmds[i].Result()
-		if cerr == nil && len(res) != syncReplies*len(b) {
-			cerr = fmt.Errorf("redis sync script: %d values for %d keys", len(res), len(b))
+		if cerr == nil && len(res) != syncReplySize*len(b) {
+			cerr = fmt.Errorf("redis sync script: %d bytes of replies for %d keys, want %d each", len(res), len(b), syncReplySize)
 		}
 		if cerr != nil {
 			unsent = append(unsent, b...)
@@ -234,7 +234,7 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 		y.stats.batches.Add(1)
 		y.stats.keys.Add(uint64(len(b)))
 		for j := range b {
-			y.apply(&b[j], res[syncReplies*j:syncReplies*(j+1)], start)
+			y.apply(&b[j], readReplies(res[syncReplySize*j:]), start)
 		}
 	}
 	if err != nil && errors.Is(err, redis.Nil) {
@@ -243,14 +243,30 @@ func (s *SyncStore) syncTrip(ctx context.Context, items []syncItem, bans []Check
 	return unsent, unbanned, err
 }
 
-// syncReplies is how many values the sync script returns per key.
-const syncReplies = 7
+// syncReplySize is how many bytes of the sync script's reply one key
+// takes: 6 little-endian 64-bit integers (redis_sync.lua packs them with
+// struct.pack('<i8i8i8i8i8i8')).
+const syncReplySize = 6 * 8
+
+// syncReplies is one key's replies of the sync script.
+type syncReplies struct {
+	total, prevTotal, ban, lease, spare, held int64
+}
+
+// readReplies reads the key's replies at the start of r.
+func readReplies(r string) syncReplies {
+	var v [6]int64
+	for i := range v {
+		v[i] = int64(binary.LittleEndian.Uint64([]byte(r[8*i : 8*i+8])))
+	}
+	return syncReplies{v[0], v[1], v[2], v[3], v[4], v[5]}
+}
 
 // syncCmd queues the script call of one batch on pipe: each key's count
 // key, and every key's numbers in one argument (appendNums), which the
-// script unpacks without parsing text (see redis_sync.lua). Its reply, 7
-// integers per key, is read into one []int64.
-func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.IntSliceCmd {
+// script unpacks without parsing text (see redis_sync.lua). Its reply is
+// one string, the keys' replies packed the same way (readReplies).
+func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.StringCmd {
 	y := s.table
 	args := make([]any, 0, 3+len(b)+8)
 	args = append(args, "evalsha", syncScript.Hash(), len(b))
@@ -263,7 +279,7 @@ func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncI
 	for i := range b {
 		nums = b[i].appendNums(nums)
 	}
-	cmd := redis.NewIntSliceCmd(ctx, append(args, nums)...)
+	cmd := redis.NewStringCmd(ctx, append(args, nums)...)
 	_ = pipe.Process(ctx, cmd) // a pipeline only queues: Exec reports
 	return cmd
 }
@@ -464,7 +480,7 @@ func (y *syncTable) requeue(items []syncItem) {
 
 // apply takes what a round read of one key: the fleet's counts, its ban
 // and what the round reserved this instance.
-func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
+func (y *syncTable) apply(it *syncItem, r syncReplies, start time.Time) {
 	sh := &y.shards[it.shard]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -472,7 +488,7 @@ func (y *syncTable) apply(it *syncItem, r []int64, start time.Time) {
 		return
 	}
 	e := it.e.e
-	total, prevTotal, ban, lease, spare, held := r[0], r[2], r[3], r[4], r[5], r[6] // r[1]: the instances counting the key
+	total, prevTotal, ban, lease, spare, held := r.total, r.prevTotal, r.ban, r.lease, r.spare, r.held
 	if ban > 0 {
 		e.banUntil = max(e.banUntil, start.Add(time.Duration(ban)*time.Millisecond).UnixNano())
 	}

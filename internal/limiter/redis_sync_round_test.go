@@ -1,9 +1,13 @@
 package limiter
 
 import (
+	"context"
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/caddy-rate-limit/caddy-rate-limit/internal/redistest"
 )
@@ -78,5 +82,72 @@ func TestSyncRoundTrips(t *testing.T) {
 	}
 	if got := len(y.collect(s, &syncCursor{ms: cur.ms}, buf)); got != waiting {
 		t.Errorf("the next round collected %d keys, want the %d touched again", got, waiting)
+	}
+}
+
+// The sync script packs its replies with Redis's struct library, and byte
+// by byte where Lua has none (miniredis, which the fleet simulator runs):
+// both read back the same, a dropped window's -1, a ban and numbers past
+// 32 bits included.
+func TestSyncScriptReplies(t *testing.T) {
+	ctx := context.Background()
+	servers := map[string]string{
+		"redis-server": redistest.StartReal(t, "the struct library is a real redis-server's").Addr,
+		"miniredis":    miniredis.RunT(t).Addr(),
+	}
+	const w = 60_000
+	end := (time.Now().UnixMilli()/w + 1) * w
+	now := end - w/4 // the script's clock is its argument
+	big := int64(1) << 40
+	// ag: Redis counts the window after the instance's next, so the
+	// instance's count is dropped. bg: another instance counted big and
+	// holds a live lease of 3. cg: banned for 5 s.
+	items := []syncItem{
+		{end: end - w, window: w, mine: 2, prev: -1, max: 1 << 50, weighs: -1},
+		{end: end, window: w, mine: 7, prev: -1, max: 1 << 50, want: 4, pace: 100, weighs: -1},
+		{end: end, window: w, mine: 1, prev: -1, max: 10, weighs: -1, bans: true},
+	}
+	var nums []byte
+	for i := range items {
+		nums = items[i].appendNums(nums)
+	}
+	got := map[string][]syncReplies{}
+	for name, addr := range servers {
+		client := redis.NewClient(&redis.Options{Addr: addr})
+		t.Cleanup(func() { client.Close() })
+		for _, err := range []error{
+			client.HSet(ctx, "ag", "=", end+w, "other", "5").Err(),
+			client.HSet(ctx, "bg", "=", end, "other", strconv.FormatInt(big, 10)+"/3/"+strconv.FormatInt(now+w, 10)).Err(),
+			client.Set(ctx, "cb", 1, 5*time.Second).Err(),
+		} {
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+		}
+		res, err := syncScript.Run(ctx, client, []string{"ag", "bg", "cg"}, now, "me", now+1000, 1, 2, 0, 0, nums).Text()
+		if err != nil {
+			t.Fatalf("%s: the sync script: %v", name, err)
+		}
+		if len(res) != syncReplySize*len(items) {
+			t.Fatalf("%s: %d bytes of replies for %d keys", name, len(res), len(items))
+		}
+		for i := range items {
+			got[name] = append(got[name], readReplies(res[syncReplySize*i:]))
+		}
+	}
+	for name, r := range got {
+		if r[0].total != -1 {
+			t.Errorf("%s: a dropped window's total reads %d, want -1", name, r[0].total)
+		}
+		if r[1].total != big+7 || r[1].held != 3 || r[1].lease != 4 || r[1].spare < big {
+			t.Errorf("%s: total %d, held %d, lease %d, spare %d; want %d, 3, 4 and more than %d",
+				name, r[1].total, r[1].held, r[1].lease, r[1].spare, big+7, big)
+		}
+		if r[2].total != 1 || r[2].ban <= 0 || r[2].ban > 5000 {
+			t.Errorf("%s: total %d, ban %d ms; want 1 and up to 5000", name, r[2].total, r[2].ban)
+		}
+	}
+	if a, b := got["redis-server"], got["miniredis"]; a[0] != b[0] || a[1] != b[1] || a[2].total != b[2].total {
+		t.Errorf("redis-server read %+v, miniredis %+v", a, b)
 	}
 }
