@@ -247,7 +247,9 @@ for i = 1, #KEYS do
 				extra = spare(free - lease)
 			end
 		end
-		put(g, mine .. '/' .. (lease + extra) .. '/' .. ends, fresh, e + w, e)
+		-- Formatted as integers: concatenating the numbers would format
+		-- each with %.14g, a float's conversion, which costs more.
+		put(g, string.format('%d/%d/%s', mine, lease + extra, ends), fresh, e + w, e)
 		if prev >= 0 and e > now then
 			local o = other(g, 'o')
 			local pall = counts(o)
