@@ -55,12 +55,13 @@
 -- Redis has it no more, Redis lost its state: the round leases as while
 -- learning), 4 for the instance's first two rounds of the window.
 -- Returns one binary string, 48 bytes a key in the order of KEYS (packed,
--- not formatted: appendReplies below): six little-endian 64-bit integers,
--- the fleet's count of the window (-1: dropped, the window has ended in
--- Redis), the fleet's count of the previous window, the milliseconds left
--- of the key's ban (0: none), the units leased to the instance, its spare
--- share (none when it asked for nothing: it gives its lease back), and
--- what the other instances' live leases hold (spend share).
+-- not formatted: readReplies in redis_sync_round.go): six little-endian
+-- 64-bit integers, the fleet's count of the window (-1: dropped, the
+-- window has ended in Redis), the fleet's count of the previous window,
+-- the milliseconds left of the key's ban (0: none), the units leased to
+-- the instance, its spare share (none when it asked for nothing: it gives
+-- its lease back), and what the other instances' live leases hold (spend
+-- share).
 local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4] == '1' -- ends is only written: it stays a string
 local fleet, rank, learning = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
 
