@@ -70,10 +70,13 @@ local fleet, rank, learning = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '
 -- what does not divide evenly). Half even for an instance alone, which
 -- may not know yet of instances that just joined, and holds its lease
 -- and spare share from them until they lapse.
+local floor = math.floor
 local function spare(free)
-	free = math.max(free, 0)
-	local half = math.floor((free + 1) / 2)
-	local s = math.floor(half / fleet)
+	if free < 0 then
+		free = 0
+	end
+	local half = floor((free + 1) / 2)
+	local s = floor(half / fleet)
 	if rank < half % fleet then
 		s = s + 1
 	end
@@ -180,12 +183,6 @@ local pack = struct and struct.pack or function(_, ...)
 	return s
 end
 
--- flag reports whether bit (1, 2, 4) is set in flags, with arithmetic
--- alone: miniredis's Lua has no bit library either.
-local function flag(flags, bit)
-	return math.floor(flags / bit) % 2 == 1
-end
-
 local out, nums, pos = {}, ARGV[8], 1
 if #nums ~= 73 * #KEYS then
 	return redis.error_reply('ERR sync: ' .. #nums .. ' bytes of numbers for ' .. #KEYS .. ' keys, want 73 each')
@@ -194,7 +191,10 @@ for i = 1, #KEYS do
 	local g = KEYS[i]
 	local e, w, mine, prev, refused, max, want, pace, weighs, flags
 	e, w, mine, prev, refused, max, want, pace, weighs, flags, pos = unpack(layout, nums, pos)
-	local bans, known, waiting = flag(flags, 1), flag(flags, 2), flag(flags, 4)
+	-- The flags' bits, read with arithmetic alone (miniredis's Lua has no
+	-- bit library either), and inline: a function call per flag costs
+	-- more than the rest of a key's arithmetic.
+	local bans, known, waiting = flags % 2 == 1, flags % 4 >= 2, flags % 8 >= 4
 	-- at is the window g counts, from the instance's: 0 the same (or none
 	-- yet), -1 the one before, 1 the one after. g expires a window after
 	-- its window ends.
@@ -210,7 +210,7 @@ for i = 1, #KEYS do
 		redis.call('DEL', g, other(g, 'o'))
 		fresh = true
 	else
-		at = math.floor((ge - e) / w + 0.5)
+		at = floor((ge - e) / w + 0.5)
 		if at == -1 then
 			-- g becomes the previous window's, and expires as it should,
 			-- when the instance's window ends.
@@ -232,15 +232,26 @@ for i = 1, #KEYS do
 			-- What neither the counts nor the others' leases hold (this
 			-- instance's own lease is renewed or given back), nor the
 			-- first spare shares of instances not counted yet.
-			local left = max - math.max(weighs, 0)
+			-- Comparisons, not math.max and math.min: each C call costs
+			-- as much as the rest of this arithmetic.
+			local left = max
+			if weighs > 0 then
+				left = max - weighs
+			end
 			local free = left - total - held
 			if waiting and fleet > n then
-				free = free - (fleet - n) * math.ceil(math.floor((math.max(left, 0) + 1) / 2) / fleet)
+				free = free - (fleet - n) * math.ceil(floor((math.max(left, 0) + 1) / 2) / fleet)
 			end
-			if learns then
-				want = math.min(want, pace)
+			if learns and pace < want then
+				want = pace
 			end
-			lease = math.max(math.min(want, free), 0)
+			lease = want
+			if free < lease then
+				lease = free
+			end
+			if lease < 0 then
+				lease = 0
+			end
 			-- While learning, the spare share is held here for the
 			-- others to see, and the instance takes no more of it than
 			-- the figures it knows leave (redis_sync_round.go).
