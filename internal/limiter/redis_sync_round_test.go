@@ -88,7 +88,7 @@ func TestSyncRoundTrips(t *testing.T) {
 // The sync script packs its replies with Redis's struct library, and byte
 // by byte where Lua has none (miniredis, which the fleet simulator runs):
 // both read back the same, a dropped window's -1, a ban and numbers past
-// 32 bits included.
+// 32 bits included. Each of a key's flags changes its reply.
 func TestSyncScriptReplies(t *testing.T) {
 	ctx := context.Background()
 	servers := map[string]string{
@@ -101,11 +101,19 @@ func TestSyncScriptReplies(t *testing.T) {
 	big := int64(1) << 40
 	// ag: Redis counts the window after the instance's next, so the
 	// instance's count is dropped. bg: another instance counted big and
-	// holds a live lease of 3. cg: banned for 5 s.
+	// holds a live lease of 3. cg: banned for 5 s. dg: in the instance's
+	// first rounds of the window (waiting), so the first spare share of
+	// the other instance of two, not counted yet, is held back: of max
+	// 100, 25, which leaves a spare share of 17 after a lease of 10 (23
+	// with nothing held back). eg: Redis has no count of this instance
+	// where it wrote one (known), so it leases no more than its pace, 3,
+	// and no spare share.
 	items := []syncItem{
 		{end: end - w, window: w, mine: 2, prev: -1, max: 1 << 50, weighs: -1},
 		{end: end, window: w, mine: 7, prev: -1, max: 1 << 50, want: 4, pace: 100, weighs: -1},
 		{end: end, window: w, mine: 1, prev: -1, max: 10, weighs: -1, bans: true},
+		{end: end, window: w, prev: -1, max: 100, want: 10, pace: 100, weighs: -1, waiting: true},
+		{end: end, window: w, prev: -1, max: 100, want: 10, pace: 3, weighs: -1, known: true},
 	}
 	var nums []byte
 	for i := range items {
@@ -124,7 +132,7 @@ func TestSyncScriptReplies(t *testing.T) {
 				t.Fatalf("%s: %v", name, err)
 			}
 		}
-		res, err := syncScript.Run(ctx, client, []string{"ag", "bg", "cg"}, now, "me", now+1000, 1, 2, 0, 0, nums).Text()
+		res, err := syncScript.Run(ctx, client, []string{"ag", "bg", "cg", "dg", "eg"}, now, "me", now+1000, 1, 2, 0, 0, nums).Text()
 		if err != nil {
 			t.Fatalf("%s: the sync script: %v", name, err)
 		}
@@ -146,8 +154,14 @@ func TestSyncScriptReplies(t *testing.T) {
 		if r[2].total != 1 || r[2].ban <= 0 || r[2].ban > 5000 {
 			t.Errorf("%s: total %d, ban %d ms; want 1 and up to 5000", name, r[2].total, r[2].ban)
 		}
+		if r[3].lease != 10 || r[3].spare != 17 {
+			t.Errorf("%s: waiting: lease %d, spare %d; want 10 and 17", name, r[3].lease, r[3].spare)
+		}
+		if r[4].lease != 3 || r[4].spare != 0 {
+			t.Errorf("%s: known, not counted: lease %d, spare %d; want 3 and 0", name, r[4].lease, r[4].spare)
+		}
 	}
-	if a, b := got["redis-server"], got["miniredis"]; a[0] != b[0] || a[1] != b[1] || a[2].total != b[2].total {
+	if a, b := got["redis-server"], got["miniredis"]; a[0] != b[0] || a[1] != b[1] || a[2].total != b[2].total || a[3] != b[3] || a[4] != b[4] {
 		t.Errorf("redis-server read %+v, miniredis %+v", a, b)
 	}
 }
