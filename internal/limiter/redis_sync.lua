@@ -232,8 +232,9 @@ for i = 1, #KEYS do
 			-- What neither the counts nor the others' leases hold (this
 			-- instance's own lease is renewed or given back), nor the
 			-- first spare shares of instances not counted yet.
-			-- Comparisons, not math.max and math.min: each C call costs
-			-- as much as the rest of this arithmetic.
+			-- Comparisons, not math.max and math.min, on the path every
+			-- key takes: each C call costs as much as the rest of this
+			-- arithmetic (a key's first rounds may pay for a few).
 			local left = max
 			if weighs > 0 then
 				left = max - weighs
