@@ -116,12 +116,13 @@ func TestCalendarHourSync(t *testing.T) {
 	}
 	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr})
 	defer rdb.Close()
-	key := "caddy_rate_limit:" + zone + ":{key:c1}:g"
+	// The window's hash of counts is named by its end and length.
+	key := "caddy_rate_limit:" + zone + ":w:{0}:" + strconv.FormatInt(next.UnixMilli(), 10) + ":" + strconv.FormatInt(time.Hour.Milliseconds(), 10)
 	var ttl time.Duration
 	if !eventuallyAcross(func() bool {
 		clk.Advance(100 * time.Millisecond) // the next sync round
 		ttl, _ = rdb.PTTL(context.Background(), key).Result()
-		return ttl > 0
+		return ttl > 0 && rdb.HExists(context.Background(), key, "caddy_rate_limit:"+zone+":{key:c1}:g").Val()
 	}) {
 		t.Fatalf("no round sent the count: PTTL %s", ttl)
 	}

@@ -2,6 +2,7 @@ package tests
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -77,32 +78,82 @@ func warmUp(t *testing.T, bases []string, paths ...string) {
 	time.Sleep(400 * time.Millisecond)
 }
 
-// redisCount returns the fleet's count of key's window in progress in zone
-// as Redis holds it.
+// redisCount returns the fleet's count of key in zone, in the newest window
+// Redis counts it, as Redis holds it.
 func redisCount(t *testing.T, c redis.UniversalClient, zone, key string) int64 {
-	fields, err := c.HGetAll(context.Background(), "caddy_rate_limit:"+zone+":{key:"+key+"}:g").Result()
-	if err != nil {
-		t.Fatal(err)
+	t.Helper()
+	field := "caddy_rate_limit:" + zone + ":{key:" + key + "}:g"
+	newest, n := int64(0), int64(0)
+	for end, fields := range syncWindows(t, c, zone) {
+		if v, ok := fields[field]; ok && end > newest {
+			newest, n = end, v
+		}
 	}
-	return syncSum(t, fields)
+	return n
 }
 
-// syncSum returns the sum of the instances' counts in a hash of sync mode's
-// counts: each field is an instance's "count/leased/until" (or "count"),
-// but "=", the window's end.
-func syncSum(t *testing.T, fields map[string]string) int64 {
+// syncWindows returns what Redis holds of zone's sync mode counts: by the
+// end of each window (Unix ms), each key's field and the fleet's count of
+// it. A window's counts are hashes named <prefix>w:{<tag>}:<end>:<length>
+// (one per Cluster slot on a Cluster), a field per key, each holding the
+// instances' records: a 13-byte id, then count, leased and until as
+// little-endian 64-bit integers.
+func syncWindows(t *testing.T, c redis.UniversalClient, zone string) map[int64]map[string]int64 {
 	t.Helper()
-	var sum int64
-	for f, v := range fields {
-		if f == "=" {
-			continue
-		}
-		count, _, _ := strings.Cut(v, "/")
-		n, err := strconv.ParseInt(count, 10, 64)
+	ctx := context.Background()
+	prefix := "caddy_rate_limit:" + zone + ":w:{"
+	var mu sync.Mutex
+	out := map[int64]map[string]int64{}
+	read := func(ctx context.Context, c redis.UniversalClient) error {
+		hashes, err := c.Keys(ctx, prefix+"*").Result()
 		if err != nil {
-			t.Fatalf("instance %q's count %q: %v", f, v, err)
+			return err
 		}
-		sum += n
+		for _, h := range hashes {
+			_, rest, _ := strings.Cut(strings.TrimPrefix(h, prefix), "}:")
+			endText, _, _ := strings.Cut(rest, ":")
+			end, err := strconv.ParseInt(endText, 10, 64)
+			if err != nil {
+				return fmt.Errorf("window hash %q: %w", h, err)
+			}
+			fields, err := c.HGetAll(ctx, h).Result()
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			if out[end] == nil {
+				out[end] = map[string]int64{}
+			}
+			for f, v := range fields {
+				out[end][f] += syncSum(t, v)
+			}
+			mu.Unlock()
+		}
+		return nil
+	}
+	var err error
+	if cc, ok := c.(*redis.ClusterClient); ok {
+		err = cc.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error { return read(ctx, m) })
+	} else {
+		err = read(ctx, c)
+	}
+	if err != nil {
+		t.Fatalf("reading the sync counts: %v", err)
+	}
+	return out
+}
+
+// syncSum returns the sum of the instances' counts in a field of a window
+// hash (syncWindows).
+func syncSum(t *testing.T, v string) int64 {
+	t.Helper()
+	const size = 13 + 3*8
+	if len(v)%size != 0 {
+		t.Fatalf("a sync count of %d bytes, not records of %d", len(v), size)
+	}
+	var sum int64
+	for p := 0; p < len(v); p += size {
+		sum += int64(binary.LittleEndian.Uint64([]byte(v[p+13:])))
 	}
 	return sum
 }
@@ -266,7 +317,7 @@ func testSyncExact(t *testing.T, zone string, addrs []string, rdb redis.Universa
 			mu.Lock()
 			counts := admitted[end]
 			mu.Unlock()
-			want, got := checkWindow(t, rdb, zone, end, window, counts)
+			want, got := checkWindow(t, rdb, zone, end, counts)
 			sumWant += want
 			sumGot += got
 		}
@@ -284,36 +335,13 @@ const checkAfter = time.Second
 
 // checkWindow compares what Redis holds for the window ending at end (Unix
 // seconds) with counts, what the fleet admitted of each key in it, and
-// returns both sums. A key's count is its hash of the window's counts, or
-// of the previous window's where a request of the next window moved it
-// there.
-func checkWindow(t *testing.T, rdb redis.UniversalClient, zone string, end int64, window time.Duration, counts map[string]int64) (want, got int64) {
+// returns both sums.
+func checkWindow(t *testing.T, rdb redis.UniversalClient, zone string, end int64, counts map[string]int64) (want, got int64) {
 	t.Helper()
-	ctx := context.Background()
-	type row struct {
-		g, o *redis.MapStringStringCmd
-		ttl  *redis.DurationCmd
-	}
-	rows := make(map[string]row, len(counts))
-	pipe := rdb.Pipeline()
-	for k := range counts {
-		base := "caddy_rate_limit:" + zone + ":{key:" + k + "}:"
-		rows[k] = row{g: pipe.HGetAll(ctx, base+"g"), ttl: pipe.PTTL(ctx, base+"g"), o: pipe.HGetAll(ctx, base+"o")}
-	}
-	now := time.Now()
-	if _, err := pipe.Exec(ctx); err != nil && err != redis.Nil {
-		// Not Fatal: the requests of later windows are still running.
-		t.Errorf("window ending %s: reading Redis: %v", time.Unix(end, 0).Format(time.TimeOnly), err)
-		return 0, 0
-	}
+	fields := syncWindows(t, rdb, zone)[end*1000]
 	wrong := 0
 	for k, n := range counts {
-		r := rows[k]
-		held := syncSum(t, r.g.Val())
-		// The hash expires a window after the end of its window.
-		if counted := now.Add(r.ttl.Val() - window); counted.Sub(time.Unix(end, 0)).Abs() > window/2 {
-			held = syncSum(t, r.o.Val())
-		}
+		held := fields["caddy_rate_limit:"+zone+":{key:"+k+"}:g"]
 		want += n
 		got += held
 		if n > 1 || held != n {

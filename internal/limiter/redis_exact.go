@@ -338,7 +338,7 @@ func (s *RedisStore) CutWindows(ctx context.Context, c Check, cutoff time.Time) 
 	s.refused.forgetAfter(cutoff.UnixNano())
 	s.local.cutSlot(c.Slot, cutoff)
 	return s.forEachNode(ctx, func(ctx context.Context, node scanner) error {
-		return s.scanPages(ctx, node, "c", func(ctx context.Context, keys []string) error {
+		return s.scanPages(ctx, node, "*{*}:c", func(ctx context.Context, keys []string) error {
 			keys = slices.DeleteFunc(keys, func(k string) bool {
 				name, _, ok := s.parseKey(k)
 				return !ok || name != c.Name

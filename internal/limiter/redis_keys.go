@@ -4,8 +4,12 @@ import (
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
+	"strconv"
 	"strings"
+	"sync"
 	"unsafe"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Tag returns what names key in Redis and in the store's listing: the
@@ -60,7 +64,7 @@ func (s *redisCore) appendBase(b []byte, name, tag string) []byte {
 	return append(b, "}:"...)
 }
 
-// parseKey splits a count key (…:c, or sync mode's …:g) or ban key the
+// parseKey splits a count key (…:c, or sync mode's field …:g) or ban key the
 // store wrote into the limit name and the tag; ok is false for a key of
 // another zone whose name the prefix starts.
 func (s *redisCore) parseKey(k string) (name, tag string, ok bool) {
@@ -111,3 +115,65 @@ func isHexHash(key string) bool {
 	_, err := hex.DecodeString(key)
 	return err == nil
 }
+
+// windowKey returns the name of sync mode's hash of the counts of the
+// windows that end at end and last length (both Unix ms; redis_sync.lua):
+// <prefix>w:{<tag>}:<end>:<length>, whose hash tag tag puts it in the slot
+// of the keys it counts on a Cluster (slotTag). No client's keys start
+// with "w:" after the prefix (theirs start with "{" or "@").
+func (s *redisCore) windowKey(tag string, end, length int64) string {
+	b := make([]byte, 0, len(s.prefix)+len(tag)+32)
+	b = append(b, s.prefix...)
+	b = append(b, "w:{"...)
+	b = append(b, tag...)
+	b = append(b, "}:"...)
+	b = strconv.AppendInt(b, end, 10)
+	b = append(b, ':')
+	b = strconv.AppendInt(b, length, 10)
+	return unsafe.String(unsafe.SliceData(b), len(b)) // b is not written again
+}
+
+// parseWindowKey returns the hash tag, end and length a window hash's name
+// (windowKey) holds; ok is false for any other key.
+func (s *redisCore) parseWindowKey(k string) (tag string, end, length int64, ok bool) {
+	rest, ok := strings.CutPrefix(k, s.prefix+"w:{")
+	if !ok {
+		return "", 0, 0, false
+	}
+	tag, rest, ok = strings.Cut(rest, "}:")
+	if !ok {
+		return "", 0, 0, false
+	}
+	e, l, ok := strings.Cut(rest, ":")
+	if !ok {
+		return "", 0, 0, false
+	}
+	end, err1 := strconv.ParseInt(e, 10, 64)
+	length, err2 := strconv.ParseInt(l, 10, 64)
+	return tag, end, length, err1 == nil && err2 == nil && length > 0
+}
+
+// windowTag returns the hash tag of the window hashes that count key (a
+// client's field, …:g): on a Cluster one whose slot is key's (slotTags), so
+// that a batch of one slot's keys is one script call; else one tag for
+// every key, so that a batch's keys of one window share one hash.
+func (s *redisCore) windowTag(key string) string {
+	if _, cluster := s.client.(*redis.ClusterClient); cluster {
+		return slotTags()[clusterSlot(key)]
+	}
+	return "0"
+}
+
+// slotTags returns, for each Cluster slot, a short hash tag in it: the
+// first base-36 number whose CRC16 falls in the slot.
+var slotTags = sync.OnceValue(func() *[16384]string {
+	var tags [16384]string
+	for i, left := int64(0), len(tags); left > 0; i++ {
+		t := strconv.FormatInt(i, 36)
+		if slot := clusterSlot(t); tags[slot] == "" {
+			tags[slot] = t
+			left--
+		}
+	}
+	return &tags
+})

@@ -2,15 +2,16 @@ package limiter
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"hash/maphash"
 	"math"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // How an instance in sync mode spends, between two rounds, what the fleet
@@ -93,15 +94,15 @@ func (s *SyncStore) Run(ctx context.Context, _ func() time.Duration) {
 // Len implements Store: the keys the table holds.
 func (s *SyncStore) Len() int { return int(s.table.len.Load()) }
 
-// Range implements Store (rangeKeys): every count outlives its window by a
-// window, as the next one's previous count (redis_sync.lua).
+// Range implements Store (rangeKeys): the keys counted in their limits'
+// running windows (redis_sync.lua), and the banned ones.
 func (s *SyncStore) Range(ctx context.Context, now time.Time, fn func(KeyState) bool) error {
 	return s.rangeKeys(ctx, now, true, fn)
 }
 
 // CutWindows implements Store: windows of another length are other aligned
-// windows, so the next decision starts afresh, and redis_sync.lua drops a
-// count written under a longer window. Nothing is cut.
+// windows, whose counts are other hashes in Redis (redis_sync.lua), so the
+// next decision starts afresh. Nothing is cut.
 func (s *SyncStore) CutWindows(context.Context, Check, time.Time) error { return nil }
 
 // Forget implements Store: it forgets key in every limit of the zone, here
@@ -133,32 +134,64 @@ func (s *SyncStore) forgetSync(name string, tags []string) {
 // probe key, through the client the rounds use.
 func (s *SyncStore) probeOnce(ctx context.Context) error {
 	ms := s.clock.Now().UnixMilli()
-	probe := syncItem{end: (ms/1000 + 1) * 1000, window: 1000, prev: -1, max: 1 << 30, weighs: -1}
-	return syncScript.Run(ctx, s.client, []string{s.keyOf("", probeTag, "g")},
-		ms, s.table.id, ms, 0, 1, 0, 0, probe.appendNums(nil)).Err()
+	probe := []syncItem{{key: s.keyOf("", probeTag, "g"), end: (ms/1000 + 1) * 1000, length: 1000, window: 1000,
+		prev: -1, max: 1 << 30, weighs: -1}}
+	args := s.syncArgs(probe, ms)
+	err := s.client.Do(ctx, args...).Err()
+	if err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		if err = syncScript.Load(ctx, s.client).Err(); err == nil {
+			err = s.client.Do(ctx, args...).Err()
+		}
+	}
+	return err
 }
 
-// fleetCount returns the fleet's count a hash of sync mode's counts holds
-// (redis_sync.lua): the sum of the instances' fields, each "count" or
-// "count/leased/until"; field "=" is the window's end. A field the module
-// did not write is an error, as is err.
-func fleetCount(fields map[string]string, err error) (int, error) {
-	if err != nil {
-		return 0, err
+// syncRecord is one instance's record of a key in a window hash of sync
+// mode (redis_sync.lua): its id, its count of the window, what it leased
+// (its lease and spare share) and until when (Unix ms).
+type syncRecord struct {
+	id                   string
+	count, leased, until int64
+}
+
+// syncIDLen is the length of an instance's id (newInstanceID): every
+// record of a window hash has an id of that length.
+const syncIDLen = 13
+
+// appendRecord appends an instance's record to a field of a window hash:
+// the id, then count, leased and until as little-endian 64-bit integers.
+func appendRecord(b []byte, id string, count, leased, until int64) []byte {
+	b = append(b, id...)
+	for _, n := range [...]int64{count, leased, until} {
+		b = binary.LittleEndian.AppendUint64(b, uint64(n))
 	}
+	return b
+}
+
+// readRecords reads the records of a field of a window hash whose ids are
+// idLen bytes long. A field the module did not write is an error.
+func readRecords(v string, idLen int) ([]syncRecord, error) {
+	size := idLen + 3*8
+	if len(v)%size != 0 {
+		return nil, fmt.Errorf("a sync count of %d bytes, not records of %d", len(v), size)
+	}
+	recs := make([]syncRecord, 0, len(v)/size)
+	for p := 0; p < len(v); p += size {
+		n := func(k int) int64 { return int64(binary.LittleEndian.Uint64([]byte(v[p+idLen+8*k:]))) }
+		recs = append(recs, syncRecord{v[p : p+idLen], n(0), n(1), n(2)})
+	}
+	return recs, nil
+}
+
+// fleetCount returns the fleet's count a field of a window hash holds: the
+// sum of its records' counts.
+func fleetCount(v string) (int, error) {
+	recs, err := readRecords(v, syncIDLen)
 	n := 0
-	for f, v := range fields {
-		if f == "=" {
-			continue
-		}
-		count, _, _ := strings.Cut(v, "/")
-		c, err := strconv.Atoi(count)
-		if err != nil {
-			return 0, fmt.Errorf("reading instance %q's sync count %q: %w", f, v, err)
-		}
-		n += c
+	for _, r := range recs {
+		n += int(r.count)
 	}
-	return n, nil
+	return n, err
 }
 
 // recovered implements redisOwner: the running windows' counts go to
@@ -190,7 +223,7 @@ const syncShards = 64
 type syncTable struct {
 	interval time.Duration
 	spend    string // SyncShare or SyncAll
-	id       string // this instance's field in the counts' hashes
+	id       string // this instance's id in its records of the window hashes (syncIDLen bytes)
 
 	seed   maphash.Seed
 	shards [syncShards]syncShard

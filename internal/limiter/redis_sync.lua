@@ -1,68 +1,72 @@
 -- One batch of a sync round (store redis { sync }): for each key an
 -- instance touched since its last round, it writes the instance's own count
--- of the window and reads back the fleet's. A key's counts of a window are
--- one hash, a field per instance, so a round sent twice (a reply lost to a
--- timeout) or again after Redis lost its data (a restart) writes the same
--- figures: nothing is counted twice, and nothing the instances still hold
--- is lost. The fleet's count is the fields' sum, read with them: a key
--- costs one read and one write a round. A refund (count_status) is a lower
--- count. The keys of one client share a hash tag, so a batch whose keys are
--- of one Cluster slot is one call.
+-- of the window and reads back the fleet's. A window's counts are one hash
+-- per window (per Cluster slot on a Cluster), named by the window's end and
+-- length, with a field per key (KEYS[i]) that holds a record per instance.
+-- A round sent twice (a reply lost to a timeout) or again after Redis lost
+-- its data (a restart) writes the same figures: nothing is counted twice,
+-- and nothing the instances still hold is lost. The fleet's count is the
+-- records' sum, read with them. A batch reads its keys' fields with one
+-- HMGET per window and writes them with one HSET, whatever its size: the
+-- cost per key is the script's arithmetic, not a command. A refund
+-- (count_status) is a lower count.
 --
 -- Windows are aligned to the clock: every instance computes the same end
--- for the window in progress, and the hash holds its window's end (field
--- "="). The hash expires a window after its window ends: it then holds the
--- previous window's counts (renamed from g to o when the next window's
--- first count comes), which a sliding window weighs and which take the
--- late counts of instances that had not sent them when the window ended.
--- A count for a window older than that is never sent, and one for a
--- window Redis has already left behind is dropped (-1).
+-- for the window in progress. A window's hash expires a window after the
+-- window ends: it is then the previous window's, which a sliding window
+-- weighs and which takes the late counts of instances that had not sent
+-- them when the window ended. A count for a window older than that is
+-- never sent, and one for a window the instance's clock has already left
+-- behind is dropped (-1). Windows of another length (a reload) are other
+-- hashes.
 --
 -- With spend share, an instance spends between two rounds what a round
 -- leased it: the units it asked for (its recent demand) of what neither
 -- the counts nor the other instances' live leases hold, and a spare share
 -- of what is left after that (half of it divided among the instances that
--- synced recently). Its lease
--- lapses at its end unless a round renews it: capacity an instance stopped
--- using is free again within the lease's length, wherever the requests
--- went. Its field is "count/leased/until" (leased: lease and spare share;
--- until in Unix ms); a lapsed lease holds nothing. An instance not yet
+-- synced recently). Its lease lapses at its end unless a round renews it:
+-- capacity an instance stopped using is free again within the lease's
+-- length, wherever the requests went. Its record is its id and three
+-- little-endian 64-bit integers: count, leased (lease and spare share) and
+-- until (Unix ms); a lapsed lease holds nothing. An instance not yet
 -- counted in the window is taken to hold its first spare share (half of
 -- what is left over the instances, see prior in redis_sync.go) until this
 -- one's second round of the window, when every instance that touched the
 -- key before its first has had a round.
 --
 --   ARGV[1] now in Unix milliseconds (the instance's clock); ARGV[2] the
---   instance's id; ARGV[3] the lease's end (Unix ms); ARGV[4] 1 for spend
---   share; ARGV[5] the instances that synced recently; ARGV[6] this one's
---   rank among them by id, from 0; ARGV[7] 1 while learning (the lease no more
---   than the pace).
--- For key i, KEYS[i] is its hash of the window's counts (g); its other
--- keys end in another letter instead of g, under the same hash tag, so in
--- the same Cluster slot: o the counts of the window before, r the refused
--- tally, b the ban. ARGV[8]
--- holds every key's numbers, in the order of KEYS, in one binary argument
--- (unpacked, not parsed: appendNums in redis_sync_round.go), 73 bytes a key:
--- nine little-endian 64-bit integers and a byte of flags. The integers:
--- the end of the instance's window (Unix ms), the length of the window
--- after it (ms: a calendar's windows vary), the instance's count of it,
--- its count of the previous window (-1: not sent), refusals to add to the
--- tally, max, the units the instance asks to lease, the most it asks
--- while learning (twice what it spent since its last round: its pace,
--- not more), and the units the previous window weighs (-1: a fixed
--- window, whose previous count is not read). The flags: 1 to read the
--- ban, 2 when the instance wrote its count of the window before (if
+--   instance's id (every instance's of one length); ARGV[3] the lease's
+--   end (Unix ms); ARGV[4] 1 for spend share; ARGV[5] the instances that
+--   synced recently; ARGV[6] this one's rank among them by id, from 0;
+--   ARGV[7] 1 while learning (the lease no more than the pace); ARGV[8]
+--   the keys' numbers (below); then, for each window hash the batch
+--   touches, its name and when it expires (Unix ms).
+-- KEYS[i] names key i: its field in the window hashes, and, with its last
+-- letter (g) replaced, its other keys, under the same Cluster hash tag: r
+-- the refused tally, b the ban. ARGV[8] holds every key's numbers, in the
+-- order of KEYS, in one binary argument (unpacked, not parsed: appendNums
+-- in redis_sync_round.go), 77 bytes a key: nine little-endian 64-bit
+-- integers, a byte of flags and two little-endian 16-bit integers. The
+-- 64-bit integers: the end of the instance's window (Unix ms), the length
+-- of the window after it (ms: a calendar's windows vary), the instance's
+-- count of it, its count of the previous window (-1: not sent), refusals
+-- to add to the tally, max, the units the instance asks to lease, the
+-- most it asks while learning (twice what it spent since its last round:
+-- its pace, not more), and the units the previous window weighs (-1: a
+-- fixed window, whose previous count is not read). The flags: 1 to read
+-- the ban, 2 when the instance wrote its count of the window before (if
 -- Redis has it no more, Redis lost its state: the round leases as while
--- learning), 4 for the instance's first two rounds of the window.
+-- learning), 4 for the instance's first two rounds of the window. The
+-- 16-bit integers: the number of the window's hash among those ARGV names
+-- (from 1), and of the previous window's (0: neither read nor written).
 -- Returns one binary string, 48 bytes a key in the order of KEYS (packed,
 -- not formatted: readReplies in redis_sync_round.go): six little-endian
--- 64-bit integers, the fleet's count of the window (-1: dropped, the
--- window has ended in Redis), the fleet's count of the previous window,
--- the milliseconds left of the key's ban (0: none), the units leased to
--- the instance, its spare share (none when it asked for nothing: it gives
--- its lease back), and what the other instances' live leases hold (spend
--- share).
-local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4] == '1' -- ends is only written: it stays a string
+-- 64-bit integers, the fleet's count of the window (-1: dropped), the
+-- fleet's count of the previous window, the milliseconds left of the key's
+-- ban (0: none), the units leased to the instance, its spare share (none
+-- when it asked for nothing: it gives its lease back), and what the other
+-- instances' live leases hold (spend share).
+local now, inst, ends, share = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
 local fleet, rank, learning = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7] == '1'
 
 -- spare returns the instance's spare share of free units: half of them
@@ -83,86 +87,35 @@ local function spare(free)
 	return s
 end
 
--- tally parses the fields of a hash of counts (HGETALL's reply): the
--- window end it holds (its "=" field, nil when none), the other instances'
--- counts, summed, what their live leases hold, summed, how many they are,
--- and whether it holds this instance's field. whole counts this
--- instance's field with the others' (a previous window, weighed whole).
-local function tally(all, whole)
-	local ge, total, held, n, seen = nil, 0, 0, 0, false
-	for j = 1, #all, 2 do
-		local f = all[j]
-		if f == '=' then
-			ge = tonumber(all[j + 1])
-		elseif f == inst and not whole then
-			seen = true
-		else
-			local count, lease, lapses = string.match(all[j + 1], '^(%-?%d+)/?(%d*)/?(%d*)$')
-			total = total + (tonumber(count) or 0)
-			if (tonumber(lapses) or 0) > now then
-				held = held + (tonumber(lease) or 0)
-			end
-			n = n + 1
-		end
-	end
-	return ge, total, held, n, seen
-end
-
--- counts returns HGETALL of hash k; a key under k that is not a hash (a
--- hand-made SET) goes.
-local function counts(k)
-	local all = redis.pcall('HGETALL', k)
-	if all.err then
-		redis.call('DEL', k)
-		return {}
-	end
-	return all
-end
-
--- put writes the instance's field of hash k. A new hash (fresh) expires
--- at exp, a window after its window ends, and holds that end (ge) when
--- given; a hash keeps the expiry it has.
-local function put(k, field, fresh, exp, ge)
-	if fresh and ge then
-		redis.call('HSET', k, '=', ge, inst, field)
-	else
-		redis.call('HSET', k, inst, field)
-	end
-	if fresh then
-		redis.call('PEXPIREAT', k, exp)
-	end
-end
-
--- other returns the name of the key beside g (…g) that ends in letter,
--- built only when a key needs it: most rounds of a fixed window need g
--- alone.
-local function other(g, letter)
-	return string.sub(g, 1, -2) .. letter
-end
-
--- unpack reads a key's numbers from ARGV[8] at pos: Redis's struct.unpack
--- with the layout above, or, where Lua has no struct library (miniredis,
--- which the fleet simulator runs this script on), the same read byte by
--- byte. Both return the nine integers, the flags and the next key's pos.
-local layout = '<i8i8i8i8i8i8i8i8i8B'
+-- Redis's struct library reads and writes the binary layouts above; where
+-- Lua has none (miniredis, which the fleet simulator runs this script on),
+-- the same is done byte by byte: little-endian integers, a negative one as
+-- its two's complement.
 local struct = rawget(_G, 'struct') -- nil without the library: no error
-local unpack = struct and struct.unpack or function(_, s, pos)
+local function int(s, pos, size, signed)
+	local v = string.byte(s, pos + size - 1)
+	if signed and v >= 128 then
+		v = v - 256 -- the sign
+	end
+	for k = size - 2, 0, -1 do
+		v = v * 256 + string.byte(s, pos + k)
+	end
+	return v
+end
+local layout, recordLayout, replyLayout = '<i8i8i8i8i8i8i8i8i8BHH', '<i8i8i8', '<i8i8i8i8i8i8'
+local unpack = struct and struct.unpack or function(fmt, s, pos)
+	if fmt == '<HH' then
+		return int(s, pos, 2), int(s, pos + 2, 2), pos + 4
+	elseif fmt == recordLayout then
+		return int(s, pos, 8, true), int(s, pos + 8, 8, true), int(s, pos + 16, 8, true), pos + 24
+	end
 	local v = {}
 	for k = 1, 9 do
-		local b1, b2, b3, b4, b5, b6, b7, b8 = string.byte(s, pos, pos + 7)
-		if b8 >= 128 then
-			b8 = b8 - 256 -- the sign
-		end
-		v[k] = b1 + 256 * (b2 + 256 * (b3 + 256 * (b4 + 256 * (b5 + 256 * (b6 + 256 * (b7 + 256 * b8))))))
-		pos = pos + 8
+		v[k] = int(s, pos + 8 * (k - 1), 8, true)
 	end
-	return v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], string.byte(s, pos), pos + 1
+	return v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
+		string.byte(s, pos + 72), int(s, pos + 73, 2), int(s, pos + 75, 2), pos + 77
 end
-
--- pack writes a key's six replies as Redis's struct.pack does with the
--- reply's layout, or, without the library, byte by byte (a negative number
--- as its two's complement: the bytes of -v - 1, each inverted).
-local replyLayout = '<i8i8i8i8i8i8'
 local pack = struct and struct.pack or function(_, ...)
 	local s = ''
 	for k = 1, select('#', ...) do
@@ -173,7 +126,7 @@ local pack = struct and struct.pack or function(_, ...)
 		end
 		for _ = 1, 8 do
 			local b = v % 256
-			v = math.floor(v / 256)
+			v = floor(v / 256)
 			if neg then
 				b = 255 - b
 			end
@@ -182,50 +135,101 @@ local pack = struct and struct.pack or function(_, ...)
 	end
 	return s
 end
+local tableUnpack = rawget(_G, 'unpack') or table.unpack -- Lua's, which the record reader's name shadows
 
-local out, nums, pos = {}, ARGV[8], 1
-if #nums ~= 73 * #KEYS then
-	return redis.error_reply('ERR sync: ' .. #nums .. ' bytes of numbers for ' .. #KEYS .. ' keys, want 73 each')
+-- tally reads a field's records (nil: none): the other instances' counts,
+-- summed, what their live leases hold, summed, how many they are, and
+-- the other instances' records (to write back with this one's). whole
+-- counts this instance's record with the others' (a previous window,
+-- weighed whole).
+local idLen = #inst
+local recordLen = idLen + 24
+local function tally(v, whole)
+	if not v or #v % recordLen ~= 0 then
+		return 0, 0, 0, '' -- none, or not the module's: the counts start afresh
+	end
+	local total, held, n, rest = 0, 0, 0, v
+	for p = 1, #v, recordLen do
+		if not whole and string.sub(v, p, p + idLen - 1) == inst then
+			rest = string.sub(v, 1, p - 1) .. string.sub(v, p + recordLen)
+		else
+			local count, lease, lapses = unpack(recordLayout, v, p + idLen)
+			total = total + count
+			if lapses > now then
+				held = held + lease
+			end
+			n = n + 1
+		end
+	end
+	return total, held, n, rest
 end
-for i = 1, #KEYS do
+
+local nums, nkeys = ARGV[8], #KEYS
+if #nums ~= 77 * nkeys then
+	return redis.error_reply('ERR sync: ' .. #nums .. ' bytes of numbers for ' .. nkeys .. ' keys, want 77 each')
+end
+local hashes, nhashes = {}, (#ARGV - 8) / 2
+for j = 1, nhashes do
+	hashes[j] = ARGV[7 + 2 * j]
+end
+
+-- The fields each window's hash gives: one HMGET per hash. A hash that is
+-- not one (a hand-made SET) goes.
+local cur, prv, fields, owners = {}, {}, {}, {}
+for j = 1, nhashes do
+	fields[j], owners[j] = {}, {}
+end
+for i = 1, nkeys do
+	local h, ph = unpack('<HH', nums, 77 * i - 3) -- after the key's first 73 bytes
+	if h < 1 or h > nhashes or ph > nhashes then
+		return redis.error_reply('ERR sync: key ' .. i .. ' names window hashes ' .. h .. ' and ' .. ph .. ' of ' .. nhashes)
+	end
+	local f, o = fields[h], owners[h]
+	f[#f + 1], o[#o + 1] = KEYS[i], i
+	if ph > 0 then
+		f, o = fields[ph], owners[ph]
+		f[#f + 1], o[#o + 1] = KEYS[i], -i
+	end
+end
+for j = 1, nhashes do
+	if #fields[j] > 0 then
+		local vals = redis.pcall('HMGET', hashes[j], tableUnpack(fields[j]))
+		if vals.err then
+			redis.call('DEL', hashes[j])
+			vals = {}
+		end
+		for k, i in ipairs(owners[j]) do
+			if i > 0 then
+				cur[i] = vals[k]
+			else
+				prv[-i] = vals[k]
+			end
+		end
+	end
+end
+
+local out, writes, pos = {}, {}, 1
+for j = 1, nhashes do
+	writes[j] = {}
+end
+local function put(j, field, v)
+	local w = writes[j]
+	w[#w + 1], w[#w + 2] = field, v
+end
+for i = 1, nkeys do
 	local g = KEYS[i]
-	local e, w, mine, prev, refused, max, want, pace, weighs, flags
-	e, w, mine, prev, refused, max, want, pace, weighs, flags, pos = unpack(layout, nums, pos)
+	local e, w, mine, prev, refused, max, want, pace, weighs, flags, h, ph
+	e, w, mine, prev, refused, max, want, pace, weighs, flags, h, ph, pos = unpack(layout, nums, pos)
 	-- The flags' bits, read with arithmetic alone (miniredis's Lua has no
 	-- bit library either), and inline: a function call per flag costs
 	-- more than the rest of a key's arithmetic.
 	local bans, known, waiting = flags % 2 == 1, flags % 4 >= 2, flags % 8 >= 4
-	-- at is the window g counts, from the instance's: 0 the same (or none
-	-- yet), -1 the one before, 1 the one after. g expires a window after
-	-- its window ends.
-	local all = counts(g)
-	local ge, counted, held, n, own = tally(all, false)
-	local at, fresh = 0, #all == 0
-	if fresh then
-		-- A new window (o, if any, is the previous window's: it expires
-		-- when this one ends).
-	elseif not ge or 2 * (ge + w - now) > 5 * w then
-		-- Not this script's, or written under a longer window (a reload
-		-- shortened it): the counts start afresh.
-		redis.call('DEL', g, other(g, 'o'))
-		fresh = true
-	else
-		at = floor((ge - e) / w + 0.5)
-		if at == -1 then
-			-- g becomes the previous window's, and expires as it should,
-			-- when the instance's window ends.
-			redis.call('RENAME', g, other(g, 'o'))
-			at, fresh = 0, true
-		elseif at < -1 then
-			redis.call('DEL', g, other(g, 'o')) -- an older window
-			at, fresh = 0, true
-		end
-	end
-	if fresh then
-		counted, held, n, own = 0, 0, 0, false
-	end
-	local total, ptotal, lease, extra = -1, 0, 0, 0
-	if at == 0 then
+	local total, ptotal, lease, extra, held = -1, 0, 0, 0, 0
+	if e + w > now then
+		local v = cur[i]
+		local counted, n, rest
+		counted, held, n, rest = tally(v, false)
+		local own = v and #rest < #v
 		total, n = counted + mine, n + 1
 		if share then
 			local learns = learning or (known and not own)
@@ -260,39 +264,34 @@ for i = 1, #KEYS do
 				extra = spare(free - lease)
 			end
 		end
-		-- Formatted as integers: concatenating the numbers would format
-		-- each with %.14g, a float's conversion, which costs more.
-		put(g, string.format('%d/%d/%s', mine, lease + extra, ends), fresh, e + w, e)
-		if prev >= 0 and e > now then
-			local o = other(g, 'o')
-			local pall = counts(o)
-			local _, others = tally(pall, false)
+		put(h, g, rest .. inst .. pack(recordLayout, mine, lease + extra, ends))
+		if ph > 0 and prev >= 0 and e > now then
+			local others, _, _, prest = tally(prv[i], false)
 			ptotal = others + prev
-			put(o, prev, #pall == 0, e)
-		elseif weighs >= 0 then
-			local _, whole = tally(counts(other(g, 'o')), true)
-			ptotal = whole
+			put(ph, g, prest .. inst .. pack(recordLayout, prev, 0, 0))
+		elseif ph > 0 and weighs >= 0 then
+			ptotal = tally(prv[i], true)
 		end
-	elseif at == 1 then
-		-- Redis counts the next window already: the instance's is the
-		-- previous one (a count for the one before that is dropped).
-		local o = other(g, 'o')
-		local pall = counts(o)
-		local _, others = tally(pall, false)
-		total = others + mine
-		put(o, mine, #pall == 0, e + w)
-	end
-	if total >= 0 and refused > 0 then
-		local r = other(g, 'r')
-		if type(redis.pcall('INCRBY', r, refused)) == 'table' then
-			redis.call('SET', r, refused)
+		if refused > 0 then
+			local r = string.sub(g, 1, -2) .. 'r'
+			if type(redis.pcall('INCRBY', r, refused)) == 'table' then
+				redis.call('SET', r, refused)
+			end
+			redis.call('PEXPIREAT', r, e)
 		end
-		redis.call('PEXPIREAT', r, e)
 	end
 	local ban = 0
 	if bans then
-		ban = math.max(redis.call('PTTL', other(g, 'b')), 0)
+		ban = math.max(redis.call('PTTL', string.sub(g, 1, -2) .. 'b'), 0)
 	end
 	out[i] = pack(replyLayout, total, ptotal, ban, lease, extra, held)
+end
+-- Each window's hash is written once, and expires a window after its
+-- window ends (a hash of a window Redis's clock has left behind goes).
+for j = 1, nhashes do
+	if #writes[j] > 0 then
+		redis.call('HSET', hashes[j], tableUnpack(writes[j]))
+		redis.call('PEXPIREAT', hashes[j], ARGV[8 + 2 * j])
+	end
 end
 return table.concat(out)

@@ -66,13 +66,14 @@ const (
 type syncItem struct {
 	e     syncHold
 	shard int
-	key   string // the hash of the window's counts (…:g)
-	// end names the window mine counts, and window is the length of the
-	// one after it (its hash of counts outlives it by that: redis_sync.lua);
+	key   string // the key's field in the window hashes (…:g)
+	// end names the window mine counts, length is its length, and window
+	// the length of the one after it (its hash of counts outlives it by
+	// that: redis_sync.lua); prevLength is the length of the window before;
 	// prev is the count of the window before (-1: not sent); refused the
 	// refusals to tally.
-	end, window, mine, prev, refused int64
-	bans                             bool
+	end, length, window, prevLength, mine, prev, refused int64
+	bans                                                 bool
 	// max is the limit's; want the units to lease; pace the most while
 	// learning (twice what was spent since the last round, at least 2
 	// after a refusal); weighs what a sliding window's previous count
@@ -262,32 +263,64 @@ func readReplies(r string) syncReplies {
 	return syncReplies{v[0], v[1], v[2], v[3], v[4], v[5]}
 }
 
-// syncCmd queues the script call of one batch on pipe: each key's count
-// key, and every key's numbers in one argument (appendNums), which the
-// script unpacks without parsing text (see redis_sync.lua). Its reply is
-// one string, the keys' replies packed the same way (readReplies).
+// syncCmd queues the script call of one batch on pipe (syncArgs). Its
+// reply is one string, the keys' replies packed (readReplies).
 func (s *SyncStore) syncCmd(ctx context.Context, pipe redis.Pipeliner, b []syncItem, ms int64) *redis.StringCmd {
+	cmd := redis.NewStringCmd(ctx, s.syncArgs(b, ms)...)
+	_ = pipe.Process(ctx, cmd) // a pipeline only queues: Exec reports
+	return cmd
+}
+
+// syncArgs returns the EVALSHA command of one batch of the sync script at
+// ms: each key's field, every key's numbers in one argument (appendNums),
+// which the script unpacks without parsing text, and the window hashes
+// the batch reads and writes, with their expiries (see redis_sync.lua).
+func (s *SyncStore) syncArgs(b []syncItem, ms int64) []any {
 	y := s.table
-	args := make([]any, 0, 3+len(b)+8)
+	args := make([]any, 0, 3+len(b)+12)
 	args = append(args, "evalsha", syncScript.Hash(), len(b))
 	for i := range b {
 		args = append(args, &b[i].key) // a pointer boxes without an allocation
 	}
 	args = append(args, ms, y.id, ms+y.leaseFor().Milliseconds(), flag(y.spend == SyncShare),
 		y.fleet.Load(), y.rank.Load(), flag(y.learning(ms)))
+	var tag string
+	if len(b) > 0 {
+		tag = s.windowTag(b[0].key) // a batch's keys share a slot
+	}
+	// The window hashes, numbered from 1 in the order the keys name
+	// them: a batch names one or two, or a few more when its limits'
+	// windows differ.
+	type window struct{ end, length int64 }
+	var hashes []any
+	numbers := make(map[window]uint16, 2)
+	number := func(end, length, next int64) uint16 {
+		w := window{end, length}
+		if n, ok := numbers[w]; ok {
+			return n
+		}
+		hashes = append(hashes, s.windowKey(tag, end, length), end+next)
+		numbers[w] = uint16(len(numbers) + 1)
+		return numbers[w]
+	}
 	nums := make([]byte, 0, syncNumsSize*len(b))
 	for i := range b {
-		nums = b[i].appendNums(nums)
+		it := &b[i]
+		h, ph := number(it.end, it.length, it.window), uint16(0)
+		if it.prev >= 0 || it.weighs >= 0 {
+			ph = number(it.end-it.length, it.prevLength, it.length)
+		}
+		nums = it.appendNums(nums, h, ph)
 	}
-	cmd := redis.NewStringCmd(ctx, append(args, nums)...)
-	_ = pipe.Process(ctx, cmd) // a pipeline only queues: Exec reports
-	return cmd
+	args = append(args, nums)
+	return append(args, hashes...)
 }
 
 // syncNumsSize is how many bytes of the script's last argument one key
-// takes: 9 little-endian 64-bit integers and a byte of flags, the layout
-// redis_sync.lua unpacks with struct.unpack('<i8i8i8i8i8i8i8i8i8B').
-const syncNumsSize = 9*8 + 1
+// takes: 9 little-endian 64-bit integers, a byte of flags and two
+// little-endian 16-bit integers, the layout redis_sync.lua unpacks with
+// struct.unpack('<i8i8i8i8i8i8i8i8i8BHH').
+const syncNumsSize = 9*8 + 1 + 2*2
 
 // The bits of a key's flags byte.
 const (
@@ -296,8 +329,10 @@ const (
 	syncFlagWaiting             // the instance's first two rounds of the window
 )
 
-// appendNums appends the item's numbers to the script's last argument.
-func (it *syncItem) appendNums(b []byte) []byte {
+// appendNums appends the item's numbers to the script's numbers argument:
+// h and ph are the numbers of its window's hash and the previous window's
+// (0: none) among the batch's (syncArgs).
+func (it *syncItem) appendNums(b []byte, h, ph uint16) []byte {
 	for _, n := range [...]int64{it.end, it.window, it.mine, it.prev, it.refused, it.max, it.want, it.pace, it.weighs} {
 		b = binary.LittleEndian.AppendUint64(b, uint64(n))
 	}
@@ -311,7 +346,9 @@ func (it *syncItem) appendNums(b []byte) []byte {
 	if it.waiting {
 		f |= syncFlagWaiting
 	}
-	return append(b, f)
+	b = append(b, f)
+	b = binary.LittleEndian.AppendUint16(b, h)
+	return binary.LittleEndian.AppendUint16(b, ph)
 }
 
 // flag is a script's boolean argument.
@@ -442,7 +479,7 @@ func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms 
 	name, key := sh.slab.parts(e)
 	it := syncItem{
 		e: e.hold(), shard: i, key: s.keyOf(name, s.tagOf(sh, e, key), "g"),
-		end: e.end, window: e.next(e.end), mine: e.mine, prev: -1,
+		end: e.end, length: e.window, window: e.window, prevLength: e.window, mine: e.mine, prev: -1,
 		refused: e.refused, bans: e.bans,
 		max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
 		knownFleet: e.fleet + e.mine - e.sent, held: e.held,
@@ -453,6 +490,10 @@ func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms 
 		it.pace = 2 * max(spent, min(e.asked, 1))
 	}
 	e.asked = 0
+	if e.cal != 0 {
+		it.length, it.window = e.length(e.end), e.next(e.end)
+		it.prevLength = e.length(e.end - it.length)
+	}
 	it.weighs = -1 // a fixed window: the previous count is not read
 	if e.sliding {
 		it.weighs = int64(math.Ceil(e.weighs(ms)))

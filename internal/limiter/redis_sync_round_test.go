@@ -99,40 +99,42 @@ func TestSyncScriptReplies(t *testing.T) {
 	end := (time.Now().UnixMilli()/w + 1) * w
 	now := end - w/4 // the script's clock is its argument
 	big := int64(1) << 40
-	// ag: Redis counts the window after the instance's next, so the
-	// instance's count is dropped. bg: another instance counted big and
-	// holds a live lease of 3. cg: banned for 5 s. dg: in the instance's
-	// first rounds of the window (waiting), so the first spare share of
-	// the other instance of two, not counted yet, is held back: of max
-	// 100, 25, which leaves a spare share of 17 after a lease of 10 (23
-	// with nothing held back). eg: Redis has no count of this instance
-	// where it wrote one (known), so it leases no more than its pace, 3,
-	// and no spare share.
+	me, other := "mmmmmmmmmmmmm", "ooooooooooooo"
+	// a: a count of a window the instance's clock left a window ago, so
+	// dropped. b: another instance counted big and holds a live lease of
+	// 3. c: banned for 5 s. d: in the instance's first rounds of the
+	// window (waiting), so the first spare share of the other instance of
+	// two, not counted yet, is held back: of max 100, 25, which leaves a
+	// spare share of 17 after a lease of 10 (23 with nothing held back).
+	// e: Redis has no count of this instance where it wrote one (known), so
+	// it leases no more than its pace, 3, and no spare share.
 	items := []syncItem{
-		{end: end - w, window: w, mine: 2, prev: -1, max: 1 << 50, weighs: -1},
-		{end: end, window: w, mine: 7, prev: -1, max: 1 << 50, want: 4, pace: 100, weighs: -1},
-		{end: end, window: w, mine: 1, prev: -1, max: 10, weighs: -1, bans: true},
-		{end: end, window: w, prev: -1, max: 100, want: 10, pace: 100, weighs: -1, waiting: true},
-		{end: end, window: w, prev: -1, max: 100, want: 10, pace: 3, weighs: -1, known: true},
+		{end: end - 2*w, mine: 2, prev: -1, max: 1 << 50, weighs: -1},
+		{end: end, mine: 7, prev: -1, max: 1 << 50, want: 4, pace: 100, weighs: -1},
+		{end: end, mine: 1, prev: -1, max: 10, weighs: -1, bans: true},
+		{end: end, prev: -1, max: 100, want: 10, pace: 100, weighs: -1, waiting: true},
+		{end: end, prev: -1, max: 100, want: 10, pace: 3, weighs: -1, known: true},
 	}
-	var nums []byte
-	for i := range items {
-		nums = items[i].appendNums(nums)
+	for i, k := range []string{"a", "b", "c", "d", "e"} {
+		items[i].key, items[i].length, items[i].window, items[i].prevLength = "t:{"+k+"}:g", w, w, w
 	}
 	got := map[string][]syncReplies{}
 	for name, addr := range servers {
 		client := redis.NewClient(&redis.Options{Addr: addr})
 		t.Cleanup(func() { client.Close() })
+		s := &SyncStore{table: newSyncTable(time.Second, SyncShare, me, 100, 0)}
+		s.client, s.prefix = client, "t:"
+		s.table.fleet.Store(2)
 		for _, err := range []error{
-			client.HSet(ctx, "ag", "=", end+w, "other", "5").Err(),
-			client.HSet(ctx, "bg", "=", end, "other", strconv.FormatInt(big, 10)+"/3/"+strconv.FormatInt(now+w, 10)).Err(),
-			client.Set(ctx, "cb", 1, 5*time.Second).Err(),
+			client.HSet(ctx, s.windowKey("0", end, w), "t:{b}:g", appendRecord(nil, other, big, 3, now+w)).Err(),
+			client.Set(ctx, "t:{c}:b", 1, 5*time.Second).Err(),
+			syncScript.Load(ctx, client).Err(),
 		} {
 			if err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
 		}
-		res, err := syncScript.Run(ctx, client, []string{"ag", "bg", "cg", "dg", "eg"}, now, "me", now+1000, 1, 2, 0, 0, nums).Text()
+		res, err := client.Do(ctx, s.syncArgs(items, now)...).Text()
 		if err != nil {
 			t.Fatalf("%s: the sync script: %v", name, err)
 		}
@@ -141,6 +143,12 @@ func TestSyncScriptReplies(t *testing.T) {
 		}
 		for i := range items {
 			got[name] = append(got[name], readReplies(res[syncReplySize*i:]))
+		}
+		// What the script wrote reads back: this instance's count and
+		// lease beside the other's.
+		recs, err := readRecords(client.HGet(ctx, s.windowKey("0", end, w), "t:{b}:g").Val(), len(me))
+		if err != nil || len(recs) != 2 || recs[0] != (syncRecord{other, big, 3, now + w}) || recs[1].id != me || recs[1].count != 7 || recs[1].leased < big {
+			t.Errorf("%s: b's records read %+v (%v)", name, recs, err)
 		}
 	}
 	for name, r := range got {

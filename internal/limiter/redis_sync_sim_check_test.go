@@ -1,12 +1,15 @@
 package limiter
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // The fleet simulator's invariants (redis_sync_sim_test.go runs the
@@ -30,13 +33,9 @@ func (r *simRun) trace(in *simInstance, key, what string) {
 		return
 	}
 	if strings.HasPrefix(what, "round") {
-		base := in.s.base("", key)
-		g, _ := r.mini.HKeys(base + "g")
-		var fields []string
-		for _, f := range g {
-			fields = append(fields, f+"="+r.mini.HGet(base+"g", f))
-		}
-		what += fmt.Sprintf(" [redis ttl=%v g=%v]", r.mini.TTL(base+"g"), fields)
+		h := in.s.windowKey("0", e.end, e.window)
+		recs, _ := readRecords(r.mini.HGet(h, in.s.keyOf("", key, "g")), syncIDLen)
+		what += fmt.Sprintf(" [redis ttl=%v records=%+v]", r.mini.TTL(h), recs)
 	}
 	fmt.Printf("%v inst %d (fleet %d rank %d learning %v epoch %s): %s end %d mine %d sent %d fleet %d lease %d spare %d from %d held %d until %v rounds %d\n",
 		r.now, in.n, y.fleet.Load(), y.rank.Load(), y.learning(in.clk.Now().UnixMilli()), y.epoch, what, e.end, e.mine, e.sent, e.fleet, e.lease, e.spare, e.budgetFrom, e.held,
@@ -159,22 +158,15 @@ func (r *simRun) checkRedis(kw *simKeyWindow, outage bool, endSim time.Duration)
 		}
 	}
 	in := r.insts[0]
-	held := int64(0)
-	for _, suffix := range []string{"g", "o"} {
-		key := in.s.base("", kw.key) + suffix
-		n, err := fleetCount(in.client.HGetAll(r.ctx, key).Result())
-		if err != nil {
-			r.t.Fatal(err)
-		}
-		ttl, err := in.client.PTTL(r.ctx, key).Result()
-		if err != nil {
-			r.t.Fatal(err)
-		}
-		// A count expires a window after its window ends.
-		if ends := r.base.Add(r.now).Add(ttl).Add(-simWindow).UnixMilli(); ends == kw.end {
-			held = int64(n)
-		}
+	v, err := in.client.HGet(r.ctx, in.s.windowKey("0", kw.end, simWindow.Milliseconds()), in.s.keyOf("", kw.key, "g")).Result()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		r.t.Fatal(err)
 	}
+	n, err := fleetCount(v)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	held := int64(n)
 	r.checkedEqual++
 	if held != int64(kw.admitted) {
 		r.fail("%s: Redis holds %d for the window ending %d, the fleet admitted %d (%v by instance)",

@@ -172,21 +172,44 @@ func round(fleet ...*SyncStore) {
 	}
 }
 
-// count returns the fleet's count Redis holds for key's window in progress
-// in s's zone's first limit.
-func count(t *testing.T, s *SyncStore, key string) int64 {
+// count returns the fleet's count Redis holds for tag in s's zone's first
+// limit, in the newest window it counts.
+func count(t *testing.T, s *SyncStore, tag string) int64 {
 	t.Helper()
-	return held(t, s, s.base("", key)+"g")
+	return held(t, s, "", tag, false)
 }
 
-// held returns the fleet's count a hash of sync mode's counts holds.
-func held(t *testing.T, s *SyncStore, k string) int64 {
+// held returns the fleet's count Redis holds for tag in the named limit of
+// s's zone, in the newest window it counts, or (prev) the window before.
+func held(t *testing.T, s *SyncStore, name, tag string, prev bool) int64 {
 	t.Helper()
-	n, err := fleetCount(s.client.HGetAll(context.Background(), k).Result())
+	ctx := context.Background()
+	hashes, err := s.client.Keys(ctx, escapeGlob(s.prefix)+"w:*").Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	return int64(n)
+	field := s.keyOf(name, tag, "g")
+	counts := map[int64]int64{} // by the window's start
+	newest, start := int64(0), int64(0)
+	for _, h := range hashes {
+		_, end, length, ok := s.parseWindowKey(h)
+		v, err := s.client.HGet(ctx, h, field).Result()
+		if !ok || err != nil {
+			continue
+		}
+		n, err := fleetCount(v)
+		if err != nil {
+			continue // not the module's (TestRedisSyncDamagedKeysStartAfresh): the listing skips it too
+		}
+		counts[end] = int64(n)
+		if end > newest {
+			newest, start = end, end-length
+		}
+	}
+	if prev {
+		return counts[start]
+	}
+	return counts[newest]
 }
 
 // admit sends n decisions for key to s and returns how many were admitted.
@@ -212,6 +235,7 @@ func TestRedisSyncUnblockAndRefund(t *testing.T) {
 	limit := Limit{Window: time.Minute, Max: 10}
 	fleet := manualFleet(t, srv, 2, RedisStoreOptions{SyncSpend: SyncAll, Clock: alignedClock(limit.Window)})
 	a, b := fleet[0], fleet[1]
+	a.SetLimits([]Check{{Limit: limit}}) // an unblock deletes the key's counts of the limit's windows
 	listeningSync(t, b)
 	if got := admit(t, a, "u", limit, 3) + admit(t, b, "u", limit, 2); got != 5 {
 		t.Fatalf("admitted %d of 5", got)
@@ -376,7 +400,7 @@ func TestRedisSyncSlidingCost(t *testing.T) {
 		t.Errorf("cost 4 at the next window's start: %+v, want a refusal with a wait", v)
 	}
 	round(s)
-	if prev := held(t, s, s.base("", "s")+"o"); prev != 8 || count(t, s, "s") != 1 {
+	if prev := held(t, s, "", "s", true); prev != 8 || count(t, s, "s") != 1 {
 		t.Errorf("Redis holds %d as the previous count and %d as the count, want 8 and 1", prev, count(t, s, "s"))
 	}
 }
@@ -405,7 +429,7 @@ func TestRedisSyncSeveralLimits(t *testing.T) {
 	}
 	round(s)
 	for _, name := range []string{"", "burst"} {
-		if n := held(t, s, s.base(name, "m")+"g"); n != 2 {
+		if n := held(t, s, name, "m", false); n != 2 {
 			t.Errorf("limit %q: Redis holds %d, want 2", name, n)
 		}
 	}
@@ -417,6 +441,7 @@ func TestRedisSyncHashedKeys(t *testing.T) {
 	srv := redistest.Start(t)
 	limit := Limit{Window: time.Minute, Max: 5}
 	s := manualFleet(t, srv, 1, RedisStoreOptions{HashKey: []byte("secret"), Clock: alignedClock(limit.Window)})[0]
+	s.SetLimits([]Check{{Limit: limit}})
 	admit(t, s, "203.0.113.7", limit, 3)
 	round(s)
 	ctx := context.Background()
@@ -424,10 +449,26 @@ func TestRedisSyncHashedKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	fields := 0
 	for _, k := range keys {
 		if strings.Contains(k, "203.0.113.7") {
 			t.Errorf("Redis holds the raw key: %s", k)
 		}
+		if _, _, _, ok := s.parseWindowKey(k); ok {
+			hk, err := s.client.HKeys(ctx, k).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, f := range hk {
+				fields++
+				if strings.Contains(f, "203.0.113.7") {
+					t.Errorf("Redis holds the raw key in %s: %s", k, f)
+				}
+			}
+		}
+	}
+	if fields == 0 {
+		t.Errorf("no window hash holds a field (keys: %v)", keys)
 	}
 	if got := count(t, s, s.Tag("203.0.113.7")); got != 3 {
 		t.Fatalf("Redis holds %d under the key's hash, want 3 (keys: %v)", got, keys)
@@ -445,66 +486,80 @@ func TestRedisSyncHashedKeys(t *testing.T) {
 	}
 }
 
-// A key under the zone's prefix that sync mode did not write (a hand-made
-// SET, a list, a hash of other fields, a window end that is no number or
-// of a window far ahead) starts that key's counts afresh: the round does
-// not fail, Redis then holds the instance's count, and the listing, which
-// skips a damaged count, reads it.
+// What sync mode did not write under the zone's prefix (a window's hash
+// that is a string or a list, a key's field of other bytes, a record of an
+// id of another length) starts those counts afresh: the round does not
+// fail, Redis then holds the instance's count, and the listing, which
+// skips a damaged count, reads it. Each case has windows of its own
+// length, so its own hashes.
 func TestRedisSyncDamagedKeysStartAfresh(t *testing.T) {
 	srv := redistest.Start(t)
-	fixed := Limit{Window: time.Minute, Max: 10}
-	sliding := Limit{Window: time.Minute, Max: 10, Algorithm: SlidingWindow} // reads …:o every round
-	s := manualFleet(t, srv, 1, RedisStoreOptions{Clock: alignedClock(fixed.Window)})[0]
+	s := manualFleet(t, srv, 1, RedisStoreOptions{Clock: alignedClock(time.Minute)})[0] // every whole-minute window has a minute left
 	ctx := context.Background()
-	ahead := strconv.FormatInt(s.clock.Now().Add(time.Hour).UnixMilli(), 10)
-	damages := map[string]func(k string) error{
-		"string":      func(k string) error { return s.client.Set(ctx, k, "many", 0).Err() },
-		"list":        func(k string) error { return s.client.RPush(ctx, k, "1").Err() },
-		"fields":      func(k string) error { return s.client.HSet(ctx, k, "f", "x/y/z").Err() },
-		"end-no-num":  func(k string) error { return s.client.HSet(ctx, k, "=", "soon", "other", "5/0/0").Err() },
-		"end-ahead":   func(k string) error { return s.client.HSet(ctx, k, "=", ahead, "other", "5/0/0").Err() },
-		"bad-numbers": func(k string) error { return s.client.HSet(ctx, k, "other", "1e400/-/x").Err() },
+	damages := map[string]func(h, f string) error{
+		"string": func(h, _ string) error { return s.client.Set(ctx, h, "many", 0).Err() },
+		"list":   func(h, _ string) error { return s.client.RPush(ctx, h, "1").Err() },
+		"text":   func(h, f string) error { return s.client.HSet(ctx, h, f, "5/0/0").Err() },
+		"id":     func(h, f string) error { return s.client.HSet(ctx, h, f, appendRecord(nil, "other", 5, 0, 0)).Err() },
 	}
 	want := map[string]int{}
+	minutes := 1
 	for what, damage := range damages {
-		for _, suffix := range []string{"g", "o"} {
-			for name, limit := range map[string]Limit{"fixed": fixed, "sliding": sliding} {
-				key := what + "-" + suffix + "-" + name
-				if n := admit(t, s, key, limit, 3); n != 3 {
-					t.Fatalf("%s: admitted %d of 3", key, n)
-				}
-				round(s)
-				k := s.base("", key) + suffix
-				if err := s.client.Del(ctx, k).Err(); err != nil {
-					t.Fatal(err)
-				}
-				if err := damage(k); err != nil {
-					t.Fatal(err)
-				}
-				if err := s.Range(ctx, s.clock.Now(), func(KeyState) bool { return true }); err != nil {
-					t.Fatalf("%s: listing with the damaged key: %v", key, err)
-				}
-				if n := admit(t, s, key, limit, 2); n != 2 {
-					t.Fatalf("%s: admitted %d of 2 after the damage", key, n)
-				}
-				round(s)
-				want[key] = 5
+		// The running window's hash, and the previous one's, which a
+		// sliding window reads every round.
+		for _, prev := range []bool{false, true} {
+			limit := Limit{Window: time.Duration(minutes) * time.Minute, Max: 10}
+			minutes++
+			key := what + "-running"
+			if prev {
+				limit.Algorithm = SlidingWindow
+				key = what + "-previous"
 			}
+			if n := admit(t, s, key, limit, 3); n != 3 {
+				t.Fatalf("%s: admitted %d of 3", key, n)
+			}
+			round(s)
+			end, length := syncWindowAt(limit, s.clock.Now().UnixMilli())
+			if prev {
+				end -= length
+			}
+			h, f := s.windowKey("0", end, length), s.keyOf("", key, "g")
+			if err := s.client.Del(ctx, h).Err(); err != nil {
+				t.Fatal(err)
+			}
+			if err := damage(h, f); err != nil {
+				t.Fatal(err)
+			}
+			s.SetLimits([]Check{{Limit: limit}}) // the listing reads the limit's windows
+			if err := s.Range(ctx, s.clock.Now(), func(KeyState) bool { return true }); err != nil {
+				t.Fatalf("%s: listing with the damaged key: %v", key, err)
+			}
+			if n := admit(t, s, key, limit, 2); n != 2 {
+				t.Fatalf("%s: admitted %d of 2 after the damage", key, n)
+			}
+			round(s)
+			if c := count(t, s, key); c != 5 {
+				t.Errorf("%s: Redis holds %d, want 5", key, c)
+			}
+			got := 0
+			if err := s.Range(ctx, s.clock.Now(), func(ks KeyState) bool {
+				if ks.Key == key {
+					got = ks.Count
+				}
+				return true
+			}); err != nil {
+				t.Fatal(err)
+			}
+			if got != 5 {
+				t.Errorf("%s: the listing reads %d, want 5", key, got)
+			}
+			want[key] = 5
 		}
 	}
 	if h := s.Health(); h != HealthHealthy {
 		t.Fatalf("health %s after rounds over damaged keys, want HEALTHY", h)
 	}
-	got := map[string]int{}
-	if err := s.Range(ctx, s.clock.Now(), func(ks KeyState) bool { got[ks.Key] = ks.Count; return true }); err != nil {
-		t.Fatal(err)
-	}
-	for key, n := range want {
-		if c := count(t, s, key); c != int64(n) {
-			t.Errorf("%s: Redis holds %d, want %d", key, c, n)
-		}
-		if got[key] != n {
-			t.Errorf("%s: the listing reads %d, want %d", key, got[key], n)
-		}
+	if len(want) != 2*len(damages) {
+		t.Errorf("%d cases ran, want %d", len(want), 2*len(damages))
 	}
 }
