@@ -563,3 +563,72 @@ func TestRedisSyncDamagedKeysStartAfresh(t *testing.T) {
 		t.Errorf("%d cases ran, want %d", len(want), 2*len(damages))
 	}
 }
+
+// The listing of a zone in sync mode reads the window hashes: each key
+// counted in its limit's running window once, with its fleet's count, the
+// window's end, its refused tally and, sliding, the previous window's
+// count; a banned key with no count in the running window on its own; and
+// neither a window of another length (a reload's) nor a key unblocked.
+func TestRedisSyncListing(t *testing.T) {
+	srv := redistest.Start(t)
+	fixed := Limit{Window: time.Minute, Max: 3}
+	sliding := Limit{Window: time.Minute, Max: 10, Algorithm: SlidingWindow}
+	s := manualFleet(t, srv, 1, RedisStoreOptions{Clock: alignedClock(time.Minute)})[0]
+	s.SetLimits([]Check{{Limit: fixed}, {Slot: 1, Name: "s", Limit: sliding}})
+	ctx := context.Background()
+	if n := admit(t, s, "a", fixed, 5); n != 3 {
+		t.Fatalf("admitted %d of 5, want 3", n)
+	}
+	var out [1]Verdict
+	if err := s.Decide(ctx, []Check{{Slot: 1, Name: "s", Key: "p", Limit: sliding}}, s.clock.Now(), out[:]); err != nil || !out[0].Allowed {
+		t.Fatalf("the sliding limit: %+v %v", out[0], err)
+	}
+	round(s)
+	end, length := syncWindowAt(fixed, s.clock.Now().UnixMilli())
+	other := "ooooooooooooo"
+	for _, err := range []error{
+		// Another instance counted 4 of p in the window before.
+		s.client.HSet(ctx, s.windowKey("0", end-length, length), s.keyOf("s", "p", "g"), appendRecord(nil, other, 4, 0, 0)).Err(),
+		// Windows of two minutes, as before a reload.
+		s.client.HSet(ctx, s.windowKey("0", end, 2*length), s.keyOf("", "a", "g"), appendRecord(nil, other, 9, 0, 0)).Err(),
+		s.client.Set(ctx, s.keyOf("", "b", "b"), 1, 30*time.Second).Err(),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	list := func() map[string]KeyState {
+		t.Helper()
+		got := map[string]KeyState{}
+		if err := s.Range(ctx, s.clock.Now(), func(ks KeyState) bool {
+			k := ks.Name + "/" + ks.Key
+			if _, twice := got[k]; twice {
+				t.Errorf("%s listed twice", k)
+			}
+			got[k] = ks
+			return true
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	got := list()
+	if a := got["/a"]; a.Count != 3 || a.Refused != 2 || !a.Reset.Equal(time.UnixMilli(end)) {
+		t.Errorf("a: count %d, refused %d, reset %v; want 3, 2 and %v", a.Count, a.Refused, a.Reset, time.UnixMilli(end))
+	}
+	if p := got["s/p"]; p.Count != 1 || p.Prev != 4 {
+		t.Errorf("p: count %d, previous %d; want 1 and 4", p.Count, p.Prev)
+	}
+	if b := got["/b"]; b.BannedUntil.IsZero() || b.Count != 0 {
+		t.Errorf("b: %+v, want a ban alone", b)
+	}
+	if len(got) != 3 {
+		t.Errorf("listed %v, want a, p and b", got)
+	}
+	if found, err := s.Forget(ctx, "a"); err != nil || !found {
+		t.Fatalf("forget: %t %v", found, err)
+	}
+	if a, ok := list()["/a"]; ok {
+		t.Errorf("a listed after its unblock: %+v", a)
+	}
+}
