@@ -148,6 +148,9 @@ local function tally(v, whole)
 	if not v or #v % recordLen ~= 0 then
 		return 0, 0, 0, '' -- none, or not the module's: the counts start afresh
 	end
+	if not whole and #v == recordLen and string.sub(v, 1, idLen) == inst then
+		return 0, 0, 0, '' -- this instance's alone, the most common
+	end
 	local total, held, n, rest = 0, 0, 0, v
 	for p = 1, #v, recordLen do
 		if not whole and string.sub(v, p, p + idLen - 1) == inst then
@@ -173,36 +176,49 @@ for j = 1, nhashes do
 	hashes[j] = ARGV[7 + 2 * j]
 end
 
--- The fields each window's hash gives: one HMGET per hash. A hash that is
--- not one (a hand-made SET) goes.
-local cur, prv, fields, owners = {}, {}, {}, {}
-for j = 1, nhashes do
-	fields[j], owners[j] = {}, {}
-end
-for i = 1, nkeys do
-	local h, ph = unpack('<HH', nums, 77 * i - 3) -- after the key's first 73 bytes
-	if h < 1 or h > nhashes or ph > nhashes then
-		return redis.error_reply('ERR sync: key ' .. i .. ' names window hashes ' .. h .. ' and ' .. ph .. ' of ' .. nhashes)
+-- hmget returns the fields of window hash h; a key under h that is not a
+-- hash (a hand-made SET) goes.
+local function hmget(h, fields)
+	local vals = redis.pcall('HMGET', h, tableUnpack(fields))
+	if vals.err then
+		redis.call('DEL', h)
+		return {}
 	end
-	local f, o = fields[h], owners[h]
-	f[#f + 1], o[#o + 1] = KEYS[i], i
-	if ph > 0 then
-		f, o = fields[ph], owners[ph]
-		f[#f + 1], o[#o + 1] = KEYS[i], -i
-	end
+	return vals
 end
-for j = 1, nhashes do
-	if #fields[j] > 0 then
-		local vals = redis.pcall('HMGET', hashes[j], tableUnpack(fields[j]))
-		if vals.err then
-			redis.call('DEL', hashes[j])
-			vals = {}
+
+-- Each key's field of its window's hash, and of the previous window's
+-- where it reads or writes that: one HMGET per hash.
+local cur, prv = {}, {}
+if nhashes == 1 then
+	-- One window, and no previous one (the most common batch).
+	cur = hmget(hashes[1], KEYS)
+else
+	local fields, owners = {}, {}
+	for j = 1, nhashes do
+		fields[j], owners[j] = {}, {}
+	end
+	for i = 1, nkeys do
+		local h, ph = unpack('<HH', nums, 77 * i - 3) -- after the key's first 73 bytes
+		if h < 1 or h > nhashes or ph > nhashes then
+			return redis.error_reply('ERR sync: key ' .. i .. ' names window hashes ' .. h .. ' and ' .. ph .. ' of ' .. nhashes)
 		end
-		for k, i in ipairs(owners[j]) do
-			if i > 0 then
-				cur[i] = vals[k]
-			else
-				prv[-i] = vals[k]
+		local f, o = fields[h], owners[h]
+		f[#f + 1], o[#o + 1] = KEYS[i], i
+		if ph > 0 then
+			f, o = fields[ph], owners[ph]
+			f[#f + 1], o[#o + 1] = KEYS[i], -i
+		end
+	end
+	for j = 1, nhashes do
+		if #fields[j] > 0 then
+			local vals = hmget(hashes[j], fields[j])
+			for k, i in ipairs(owners[j]) do
+				if i > 0 then
+					cur[i] = vals[k]
+				else
+					prv[-i] = vals[k]
+				end
 			end
 		end
 	end
