@@ -154,7 +154,8 @@ const MaxChecks = 8
 // that key is held to. The limits of one zone keep apart counters for one
 // key: the memory store by Slot (0 to MaxChecks-1), the Redis store by Name
 // ("" for a zone's first limit, whose keys are those a zone of one limit
-// has always written).
+// has always written). A Name is at most 255 bytes (sync mode's table
+// keeps its length in a byte; the module allows 32).
 type Check struct {
 	Slot  int
 	Name  string

@@ -231,7 +231,7 @@ type syncTable struct {
 	cap    atomic.Int64 // keys held at most (max_tracked), past one interval's new keys
 	// fifo holds the entries in the order they were added, for trim.
 	fifoMu sync.Mutex
-	fifo   []syncHold
+	fifo   []syncPlace
 
 	fleet  atomic.Int64 // instances that synced recently, this one included
 	rank   atomic.Int64 // this one's rank among them by id, from 0
@@ -297,8 +297,8 @@ type syncEntry struct {
 	num     uint32        // its number in the shard's slab
 	gen     atomic.Uint32 // one more each time it leaves the table (syncHold, syncRef)
 	hash    uint32        // the high half of the key's hash (its place in the index)
-	ckLen   uint32        // the length of its key (cacheKey)
-	nameLen uint32        // the length of the limit's name in its key
+	ckLen   uint8         // the length of its key (cacheKey) if inline, else syncLongKey
+	nameLen uint8         // the length of the limit's name in its key
 	shard   uint8         // its shard's number
 	live    bool          // in the table
 	// ck is its key, cacheKey(name, key), up to syncKeyInline bytes; a
@@ -330,10 +330,13 @@ type syncWindow struct {
 	// readAt is when the last round that read the window started (Unix
 	// ms; 0 before the first).
 	readAt   int64
-	refused  int64 // refusals not yet added to the tally
 	banUntil int64 // Unix ns
 	// rounds is how many rounds have read the window.
-	rounds  int32
+	rounds int32
+	// refused counts the refusals not yet added to the tally, up to
+	// math.MaxInt32 (a key refused that often between two rounds that
+	// reach Redis tallies no more).
+	refused int32
 	cal     calendarRef // the limit's calendar, if its windows follow one
 	sliding bool        // the limit's window slides
 	// leased is true while the entry is in its shard's leased list.
@@ -389,9 +392,9 @@ func (y *syncTable) entry(i int, h uint32, ck string, c *Check, ms int64) *syncE
 	}
 	if e == nil {
 		e = sh.slab.add(h, ck)
-		e.shard, e.nameLen, e.window, e.end = uint8(i), uint32(len(c.Name)), w, end
+		e.shard, e.nameLen, e.window, e.end = uint8(i), uint8(len(c.Name)), w, end
 		y.fifoMu.Lock()
-		y.fifo = append(y.fifo, e.hold())
+		y.fifo = append(y.fifo, e.place())
 		y.fifoMu.Unlock()
 		y.len.Add(1)
 		y.prior(e, &c.Limit, ms)
@@ -439,23 +442,27 @@ func (y *syncTable) trim() {
 			y.fifoMu.Unlock()
 			return
 		}
-		h := y.fifo[0]
-		y.fifo[0] = syncHold{}
+		p := y.fifo[0]
 		y.fifo = y.fifo[1:]
 		y.fifoMu.Unlock()
-		if !h.live() {
+		if !y.live(p) {
 			continue
 		}
-		// An entry's memory is its shard's for good: e.shard names the
-		// shard whatever key the entry holds now.
-		sh := &y.shards[h.e.shard]
+		sh := &y.shards[p.shard]
 		sh.mu.Lock()
-		if h.live() {
-			y.drop(h.e.mine-h.e.sent, h.e.prevMine-h.e.prevSent)
-			y.remove(sh, h.e)
+		if e, ok := sh.slab.held(p.syncRef); ok {
+			y.drop(e.mine-e.sent, e.prevMine-e.prevSent)
+			y.remove(sh, e)
 		}
 		sh.mu.Unlock()
 	}
+}
+
+// live reports whether the entry p names is still in the table, without
+// its shard's lock: it reads the entry's generation only, atomically, and
+// the chunk that holds it is set for good (syncSlab.chunks).
+func (y *syncTable) live(p syncPlace) bool {
+	return y.shards[p.shard].slab.at(p.num).gen.Load() == p.gen
 }
 
 // remove takes e out of its shard: its holds go stale.
@@ -595,7 +602,9 @@ func (s *SyncStore) decideTable(ctx context.Context, checks []Check, now time.Ti
 			e.mine += c.cost()
 			out[i].Remaining = max(out[i].Remaining-int(c.cost()), 0) // what is left after this request, as the other stores say
 		} else if !out[i].Allowed {
-			e.refused++
+			if e.refused < math.MaxInt32 {
+				e.refused++
+			}
 			out[i].FirstRefusal = !e.refusedAny
 			e.refusedAny = true
 		}
@@ -775,7 +784,7 @@ func (y *syncTable) sweep(ms int64) {
 		return true
 	})
 	y.fifoMu.Lock()
-	y.fifo = slices.DeleteFunc(y.fifo, func(h syncHold) bool { return !h.live() })
+	y.fifo = slices.DeleteFunc(y.fifo, func(p syncPlace) bool { return !y.live(p) })
 	y.fifoMu.Unlock()
 }
 

@@ -480,7 +480,7 @@ func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms 
 	it := syncItem{
 		e: e.hold(), shard: i, key: s.keyOf(name, s.tagOf(sh, e, key), "g"),
 		end: e.end, length: e.window, window: e.window, prevLength: e.window, mine: e.mine, prev: -1,
-		refused: e.refused, bans: e.bans,
+		refused: int64(e.refused), bans: e.bans,
 		max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
 		knownFleet: e.fleet + e.mine - e.sent, held: e.held,
 	}
@@ -512,7 +512,7 @@ func (y *syncTable) requeue(items []syncItem) {
 		sh := &y.shards[it.shard]
 		sh.mu.Lock()
 		if it.e.live() {
-			it.e.e.refused += it.refused
+			it.e.e.refused = int32(min(int64(it.e.e.refused)+it.refused, math.MaxInt32))
 			sh.touch(it.e.e)
 		}
 		sh.mu.Unlock()

@@ -19,9 +19,14 @@ import (
 const (
 	// syncKeyInline is the longest key (cacheKey) an entry holds inline.
 	syncKeyInline = 32
+	// syncLongKey is the key length an entry whose key is not inline
+	// holds.
+	syncLongKey = 255
 	// syncChunk0 is how many entries a shard's first chunk holds; each
 	// chunk after it holds twice as many as the one before.
 	syncChunk0 = 16
+	// syncMaxChunks is how many chunks entry numbers (uint32) can fill.
+	syncMaxChunks = 28
 	// syncDeleted marks an index slot whose entry was removed.
 	syncDeleted = ^uint64(0)
 )
@@ -41,6 +46,17 @@ func (e *syncEntry) hold() syncHold { return syncHold{e, e.gen.Load()} }
 // the entry's generation only, atomically, so it needs no lock (trim and
 // sweep look at holds of every shard).
 func (h syncHold) live() bool { return h.e.gen.Load() == h.gen }
+
+// syncPlace names an entry of any shard past the shards' locks (the
+// table's fifo): its shard and a reference in it. It holds no pointer, so
+// the collector has nothing to scan in the fifo.
+type syncPlace struct {
+	syncRef
+	shard uint8
+}
+
+// place returns e's place, for the table's fifo.
+func (e *syncEntry) place() syncPlace { return syncPlace{e.ref(), e.shard} }
 
 // syncRef names an entry of one shard's slab in the shard's own lists
 // (touched, leased), which are read under the shard's lock only: its
@@ -62,10 +78,14 @@ func (sl *syncSlab) held(r syncRef) (*syncEntry, bool) {
 // syncSlab is one shard's entries and their index. The shard's lock
 // guards it.
 type syncSlab struct {
-	chunks [][]syncEntry // chunk k holds syncChunk0 << k entries
-	mems   []*arena      // the chunks' memory
-	n      uint32        // entries handed out of the chunks, the removed ones too
-	free   []uint32      // the numbers of removed entries, to reuse
+	// chunks[k] holds syncChunk0 << k entries, once the entries before
+	// them are handed out. Each is set once, before any entry of it is
+	// named anywhere, and never moves: at reads it without the lock for
+	// an entry a syncPlace names (trim, sweep).
+	chunks [syncMaxChunks][]syncEntry
+	mems   []*arena // the chunks' memory
+	n      uint32   // entries handed out of the chunks, the removed ones too
+	free   []uint32 // the numbers of removed entries, to reuse
 	// index holds, for each entry in the table, its hash in the high
 	// half and its number + 1 in the low; 0 is a free slot, syncDeleted
 	// one whose entry was removed.
@@ -78,9 +98,12 @@ type syncSlab struct {
 
 // at returns entry number i.
 func (sl *syncSlab) at(i uint32) *syncEntry {
-	k := bits.Len32(i/syncChunk0+1) - 1
+	k := chunkOf(i)
 	return &sl.chunks[k][i-syncChunk0*(1<<k-1)]
 }
+
+// chunkOf returns the number of the chunk that holds entry number i.
+func chunkOf(i uint32) int { return bits.Len32(i/syncChunk0+1) - 1 }
 
 // find returns the entry of key ck, whose hash is h, or nil.
 func (sl *syncSlab) find(h uint32, ck string) *syncEntry {
@@ -106,13 +129,10 @@ func (sl *syncSlab) find(h uint32, ck string) *syncEntry {
 
 // is reports whether e's key is ck.
 func (sl *syncSlab) is(e *syncEntry, ck string) bool {
-	if int(e.ckLen) != len(ck) {
-		return false
-	}
 	if len(ck) > syncKeyInline {
-		return sl.long[e.num] == ck
+		return e.ckLen == syncLongKey && sl.long[e.num] == ck
 	}
-	return string(e.ck[:len(ck)]) == ck
+	return int(e.ckLen) == len(ck) && string(e.ck[:len(ck)]) == ck
 }
 
 // add returns a new entry of key ck, whose hash is h, which is not in the
@@ -123,10 +143,10 @@ func (sl *syncSlab) add(h uint32, ck string) *syncEntry {
 		e = sl.at(sl.free[k-1])
 		sl.free = sl.free[:k-1]
 	} else {
-		if k := len(sl.chunks); sl.n == syncChunk0*(1<<k-1) {
+		if k := chunkOf(sl.n); sl.chunks[k] == nil {
 			size := syncChunk0 << k
 			mem := newArena(size * int(unsafe.Sizeof(syncEntry{})))
-			sl.chunks = append(sl.chunks, unsafe.Slice((*syncEntry)(unsafe.Pointer(unsafe.SliceData(mem.b))), size))
+			sl.chunks[k] = unsafe.Slice((*syncEntry)(unsafe.Pointer(unsafe.SliceData(mem.b))), size)
 			sl.mems = append(sl.mems, mem)
 		}
 		e = sl.at(sl.n)
@@ -134,8 +154,9 @@ func (sl *syncSlab) add(h uint32, ck string) *syncEntry {
 		e.gen.Store(1) // a hold of generation 0 is of no entry
 		sl.n++
 	}
-	e.hash, e.ckLen, e.live = h, uint32(len(ck)), true
+	e.hash, e.ckLen, e.live = h, uint8(len(ck)), true
 	if len(ck) > syncKeyInline {
+		e.ckLen = syncLongKey
 		if sl.long == nil {
 			sl.long = make(map[uint32]string)
 		}
@@ -233,7 +254,7 @@ func (sl *syncSlab) tidy() {
 
 // ckOf returns e's key (cacheKey), a copy that outlives the entry.
 func (sl *syncSlab) ckOf(e *syncEntry) string {
-	if int(e.ckLen) > syncKeyInline {
+	if e.ckLen == syncLongKey {
 		return sl.long[e.num]
 	}
 	return string(e.ck[:e.ckLen])

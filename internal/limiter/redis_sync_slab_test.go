@@ -77,6 +77,24 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	if sl.live != 2 {
 		t.Errorf("the slab counts %d entries, want 2", sl.live)
 	}
+	// Keys either side of the inline length, and a name of 32 bytes (the
+	// module's longest).
+	name := strings.Repeat("n", 32)
+	for _, n := range []int{syncKeyInline - 1, syncKeyInline, syncKeyInline + 1} {
+		ck := strings.Repeat("k", n)
+		named := name + "\x00" + ck
+		e, f := add(ck), add(named)
+		f.nameLen = uint8(len(name))
+		if find(ck) != e || find(named) != f || find(ck+"k") != nil {
+			t.Errorf("a key of %d bytes: not found, or found as another", n)
+		}
+		if got := sl.key(e); got != ck {
+			t.Errorf("a key of %d bytes comes back as %q", n, got)
+		}
+		if lim, key := sl.parts(f); lim != name || key != ck {
+			t.Errorf("a key of %d bytes in limit %q comes back as %q in %q", n, name, key, lim)
+		}
+	}
 }
 
 // The index grows with the keys and shrinks once most are gone; every key
