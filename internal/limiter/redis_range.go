@@ -116,9 +116,7 @@ func (s *redisCore) readPage(ctx context.Context, c scanner, keys []string, now 
 		rows[i] = row{ttl: pipe.PTTL(ctx, k), refused: pipe.Get(ctx, base+"r"), ban: pipe.PTTL(ctx, base+"b"),
 			count: pipe.Get(ctx, k), prev: pipe.Get(ctx, base+"p")}
 	}
-	// Exec returns the first command's error: one for a missing key, or a
-	// damaged one (WRONGTYPE, see redis.lua), is that row's alone.
-	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "WRONGTYPE") {
+	if err := execReads(ctx, pipe); err != nil {
 		return fmt.Errorf("reading redis counters: %w", err)
 	}
 	for i, k := range keys {
@@ -273,7 +271,7 @@ func (s *redisCore) readWindowPage(ctx context.Context, c scanner, wtag string, 
 	if len(rows) == 0 {
 		return nil
 	}
-	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "WRONGTYPE") {
+	if err := execReads(ctx, pipe); err != nil {
 		return fmt.Errorf("reading redis counters: %w", err)
 	}
 	for _, r := range rows {
@@ -319,7 +317,7 @@ func (s *redisCore) readBans(ctx context.Context, c scanner, keys []string, now 
 	if len(rows) == 0 {
 		return nil
 	}
-	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "WRONGTYPE") {
+	if err := execReads(ctx, pipe); err != nil {
 		return fmt.Errorf("reading redis bans: %w", err)
 	}
 	for _, r := range rows {
@@ -435,4 +433,14 @@ func escapeGlob(s string) string {
 		b.WriteRune(r)
 	}
 	return b.String()
+}
+
+// execReads sends a listing's pipeline of reads. Exec returns the first
+// command's error: one for a missing key, or a damaged one (WRONGTYPE, see
+// redis.lua), is that row's alone, and not the listing's.
+func execReads(ctx context.Context, pipe redis.Pipeliner) error {
+	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) && !redis.HasErrorPrefix(err, "WRONGTYPE") {
+		return err
+	}
+	return nil
 }
