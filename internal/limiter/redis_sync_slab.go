@@ -19,8 +19,8 @@ import (
 const (
 	// syncKeyInline is the longest key (cacheKey) an entry holds inline.
 	syncKeyInline = 32
-	// syncLongKey is the key length an entry whose key is not inline
-	// holds.
+	// syncLongKey is what an entry's ckLen holds for a key too long to be
+	// inline.
 	syncLongKey = 255
 	// syncChunk0 is how many entries a shard's first chunk holds; each
 	// chunk after it holds twice as many as the one before.
