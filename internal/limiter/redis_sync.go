@@ -295,7 +295,7 @@ type syncShard struct {
 type syncEntry struct {
 	syncWindow
 	num     uint32        // its number in the shard's slab
-	gen     atomic.Uint32 // one more each time it leaves the table (syncHold, syncRef)
+	gen     atomic.Uint32 // one more each time it leaves the table (syncRef, syncPlace)
 	hash    uint32        // the high half of the key's hash (its place in the index)
 	ckLen   uint8         // the length of its key (cacheKey) if inline, else syncLongKey
 	nameLen uint8         // the length of the limit's name in its key
@@ -465,7 +465,7 @@ func (y *syncTable) live(p syncPlace) bool {
 	return y.shards[p.shard].slab.at(p.num).gen.Load() == p.gen
 }
 
-// remove takes e out of its shard: its holds go stale.
+// remove takes e out of its shard: its references go stale.
 func (y *syncTable) remove(sh *syncShard, e *syncEntry) {
 	sh.slab.remove(e)
 	y.len.Add(-1)

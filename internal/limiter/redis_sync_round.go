@@ -64,9 +64,8 @@ const (
 // syncItem is one key's part of a round: what it sends, and the entry that
 // takes what it reads.
 type syncItem struct {
-	e     syncHold
-	shard int
-	key   string // the key's field in the window hashes (…:g)
+	at  syncPlace // the entry, named past its shard's lock
+	key string    // the key's field in the window hashes (…:g)
 	// end names the window mine counts, length is its length, and window
 	// the length of the one after it (its hash of counts outlives it by
 	// that: redis_sync.lua); prevLength is the length of the window before;
@@ -478,7 +477,7 @@ func (y *syncTable) open(sh *syncShard, ms int64, all bool) {
 func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms int64, all bool) syncItem {
 	name, key := sh.slab.parts(e)
 	it := syncItem{
-		e: e.hold(), shard: i, key: s.keyOf(name, s.tagOf(sh, e, key), "g"),
+		at: e.place(), key: s.keyOf(name, s.tagOf(sh, e, key), "g"),
 		end: e.end, length: e.window, window: e.window, prevLength: e.window, mine: e.mine, prev: -1,
 		refused: int64(e.refused), bans: e.bans,
 		max: e.max, known: e.rounds > 0, waiting: e.rounds < 2,
@@ -509,11 +508,11 @@ func (y *syncTable) itemOf(s *SyncStore, sh *syncShard, e *syncEntry, i int, ms 
 func (y *syncTable) requeue(items []syncItem) {
 	for i := range items {
 		it := &items[i]
-		sh := &y.shards[it.shard]
+		sh := &y.shards[it.at.shard]
 		sh.mu.Lock()
-		if it.e.live() {
-			it.e.e.refused = int32(min(int64(it.e.e.refused)+it.refused, math.MaxInt32))
-			sh.touch(it.e.e)
+		if e, ok := sh.slab.held(it.at.syncRef); ok {
+			e.refused = int32(min(int64(e.refused)+it.refused, math.MaxInt32))
+			sh.touch(e)
 		}
 		sh.mu.Unlock()
 	}
@@ -522,13 +521,13 @@ func (y *syncTable) requeue(items []syncItem) {
 // apply takes what a round read of one key: the fleet's counts, its ban
 // and what the round reserved this instance.
 func (y *syncTable) apply(it *syncItem, r syncReplies, start time.Time) {
-	sh := &y.shards[it.shard]
+	sh := &y.shards[it.at.shard]
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if !it.e.live() {
+	e, ok := sh.slab.held(it.at.syncRef)
+	if !ok {
 		return
 	}
-	e := it.e.e
 	total, prevTotal, ban, lease, spare, held := r.total, r.prevTotal, r.ban, r.lease, r.spare, r.held
 	if ban > 0 {
 		e.banUntil = max(e.banUntil, start.Add(time.Duration(ban)*time.Millisecond).UnixNano())

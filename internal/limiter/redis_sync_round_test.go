@@ -46,13 +46,13 @@ func TestSyncRoundTrips(t *testing.T) {
 	}
 	cur := syncCursor{ms: s.clock.Now().UnixMilli()}
 	buf := make([]syncItem, 0, syncTrip)
-	sent := map[*syncEntry]bool{}
+	sent := map[syncPlace]bool{}
 	take := func() {
 		for _, it := range y.collect(s, &cur, buf) {
-			if sent[it.e.e] {
+			if sent[it.at] {
 				t.Fatalf("%s collected twice in one round", it.key)
 			}
-			sent[it.e.e] = true
+			sent[it.at] = true
 		}
 	}
 	take()
@@ -62,7 +62,7 @@ func TestSyncRoundTrips(t *testing.T) {
 	sh := &y.shards[cur.shard]
 	sh.mu.Lock()
 	sh.slab.each(func(e *syncEntry) bool {
-		if sent[e] {
+		if sent[e.place()] {
 			sh.touch(e) // touched again after its trip
 		}
 		return true

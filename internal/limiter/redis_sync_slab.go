@@ -31,25 +31,11 @@ const (
 	syncDeleted = ^uint64(0)
 )
 
-// syncHold names an entry past the shard's lock (in the table's fifo, a
-// round's items): the entry as it was when held, which the entry's
-// removal makes stale, even once its memory holds another key.
-type syncHold struct {
-	e   *syncEntry
-	gen uint32
-}
-
-// hold returns a hold of e.
-func (e *syncEntry) hold() syncHold { return syncHold{e, e.gen.Load()} }
-
-// live reports whether the held entry is still in the table. It reads
-// the entry's generation only, atomically, so it needs no lock (trim and
-// sweep look at holds of every shard).
-func (h syncHold) live() bool { return h.e.gen.Load() == h.gen }
-
 // syncPlace names an entry of any shard past the shards' locks (the
-// table's fifo): its shard and a reference in it. It holds no pointer, so
-// the collector has nothing to scan in the fifo.
+// table's fifo, a round's items): its shard and a reference in it, which
+// the entry's removal makes stale, even once its memory holds another
+// key. It holds no pointer, so the collector has nothing to scan in the
+// fifo.
 type syncPlace struct {
 	syncRef
 	shard uint8
@@ -60,7 +46,7 @@ func (e *syncEntry) place() syncPlace { return syncPlace{e.ref(), e.shard} }
 
 // syncRef names an entry of one shard's slab in the shard's own lists
 // (touched, leased), which are read under the shard's lock only: its
-// number and its generation, half the size of a syncHold.
+// number and its generation.
 type syncRef struct {
 	num, gen uint32
 }
@@ -176,7 +162,7 @@ func (sl *syncSlab) add(h uint32, ck string) *syncEntry {
 	return e
 }
 
-// remove takes e out of the table: its holds go stale, and its memory
+// remove takes e out of the table: its references go stale, and its memory
 // goes to the next entry added.
 func (sl *syncSlab) remove(e *syncEntry) {
 	n := len(sl.index)

@@ -7,10 +7,9 @@ import (
 	"time"
 )
 
-// An entry removed from a shard's slab leaves its holds and references
-// stale and its memory to the next key added, which neither reads as its
-// own; keys too long to be kept inline, and a limit's name, come back
-// whole.
+// An entry removed from a shard's slab leaves its references stale and
+// its memory to the next key added, which none reads as its own; keys too
+// long to be kept inline, and a limit's name, come back whole.
 func TestSyncSlabReusesEntries(t *testing.T) {
 	y := newSyncTable(time.Second, SyncShare, "id", 100, 0)
 	sl := &syncSlab{}
@@ -26,8 +25,7 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	a, b, c := add("10.0.0.1"), add(long), add("10.0.0.3")
 	b.nameLen = 3
 	a.mine = 5
-	ha, hb := a.hold(), b.hold()
-	ra := a.ref()
+	ra, rb := a.ref(), b.ref()
 	if e, ok := sl.held(ra); e != a || !ok {
 		t.Error("a reference does not name its entry")
 	}
@@ -43,11 +41,10 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 
 	sl.remove(a)
 	sl.remove(b)
-	if ha.live() || hb.live() {
-		t.Error("a hold of a removed entry is live")
-	}
-	if _, ok := sl.held(ra); ok {
-		t.Error("a reference to a removed entry names it")
+	for _, r := range []syncRef{ra, rb} {
+		if _, ok := sl.held(r); ok {
+			t.Error("a reference to a removed entry names it")
+		}
 	}
 	if find("10.0.0.1") != nil || find(long) != nil {
 		t.Error("a removed key is found")
@@ -62,16 +59,15 @@ func TestSyncSlabReusesEntries(t *testing.T) {
 	if d.mine != 0 {
 		t.Errorf("the new key starts with the removed one's count %d", d.mine)
 	}
-	if ha.live() || hb.live() {
-		t.Error("a stale hold reads the entry's new key as its own")
-	}
-	if _, ok := sl.held(ra); ok {
-		t.Error("a stale reference reads the entry's new key as its own")
+	for _, r := range []syncRef{ra, rb} {
+		if _, ok := sl.held(r); ok {
+			t.Error("a stale reference reads the entry's new key as its own")
+		}
 	}
 	if e, ok := sl.held(d.ref()); e != d || !ok {
 		t.Error("a reference to the new key does not name it")
 	}
-	if !d.hold().live() || find("10.0.0.4") != d || find("10.0.0.3") != c {
+	if find("10.0.0.4") != d || find("10.0.0.3") != c {
 		t.Error("the entries in the table are not found after a reuse")
 	}
 	if sl.live != 2 {
